@@ -1,0 +1,251 @@
+"""Distributed checkpoints (DCP): sharded, atomic, and resumable at any world size.
+
+Layout of a run directory:
+
+    checkpoints/step_00000020/            complete: DCP shards + .metadata + COMPLETE.json
+    checkpoints/step_00000030.partial-*/  being written (or left by a crash): never loaded
+
+A checkpoint is written into a `.partial-*` directory; once every rank's shards are on disk,
+rank 0 writes COMPLETE.json (with the size of every file) and renames the directory. Old
+checkpoints are deleted only after a newer one is complete, so a crash at any moment leaves
+the last good checkpoint in place.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import random
+import shutil
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultLoadPlanner
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
+
+from .config import CheckpointConfig
+
+logger = logging.getLogger(__name__)
+
+MARKER = "COMPLETE.json"
+
+
+class TrainState(Stateful):
+    """Everything a resumed run needs: model, optimizer, LR schedule, step, data position, RNG.
+
+    The model and optimizer go through torch's distributed state-dict API, which gives DCP
+    sharded DTensors, so they reshard on load. RNG states are per rank; they are restored only
+    when the world size is unchanged (set `restore_rng` before loading).
+    """
+
+    def __init__(self, model, optimizer, scheduler, loader, rank: int):
+        self.model, self.optimizer, self.scheduler, self.loader = model, optimizer, scheduler, loader
+        self.rank, self.step, self.restore_rng = rank, 0, True
+
+    def state_dict(self) -> dict:
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        state = {
+            "model": model_state,
+            "optim": optim_state,
+            "scheduler": self.scheduler.state_dict(),
+            "step": self.step,
+            "data": self.loader.state_dict(),
+        }
+        if self.restore_rng:
+            state[f"rng_rank{self.rank}"] = _rng_state()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step = int(state["step"])
+        self.loader.load_state_dict(state["data"])
+        if self.restore_rng:
+            _set_rng_state(state[f"rng_rank{self.rank}"])
+
+
+def _rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()[1]}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate((3, tuple(state["python"]), None))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
+    """DCP's default planner unpickles non-tensor entries with weights_only=False.
+
+    Here they are first read with weights_only=True (plain containers and numbers only), so a
+    tampered checkpoint cannot run code; the parent then stores the vetted value.
+    """
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        vetted = io.BytesIO()
+        torch.save(torch.load(value, weights_only=True), vetted)
+        vetted.seek(0)
+        super().load_bytes(read_item, vetted)
+
+
+class CheckpointManager:
+    def __init__(self, cfg: CheckpointConfig, root: Path, rank: int, world_size: int):
+        self.cfg, self.root, self.rank, self.world_size = cfg, root, rank, world_size
+        # Async saves run their collectives on a gloo group of their own, off the training stream.
+        self.async_group = dist.new_group(backend="gloo") if cfg.format == "dcp_async" else None
+        self.pending = None  # (future, partial dir, step) of an async save in flight
+
+    # -- finding checkpoints ------------------------------------------------------------------
+
+    def complete_checkpoints(self) -> list[Path]:
+        """Complete checkpoints, newest first; incomplete or damaged ones are skipped with a warning."""
+        found = []
+        for path in sorted(self.root.glob("step_*"), reverse=True):
+            if ".partial" in path.name or not path.is_dir():
+                continue
+            problem = verify(path)
+            if problem:
+                logger.warning("skipping checkpoint %s: %s", path, problem)
+                continue
+            found.append(path)
+        return found
+
+    def resume_path(self) -> Path | None:
+        """The checkpoint to resume from, decided on rank 0 and shared, so every rank agrees."""
+        choice = [None]
+        if self.rank == 0:
+            choice[0] = self._choose_resume()
+        dist.broadcast_object_list(choice, src=0)
+        return Path(choice[0]) if choice[0] else None
+
+    def _choose_resume(self) -> str | None:
+        if self.cfg.resume == "never":
+            return None
+        if self.cfg.resume == "auto":
+            newest = self.complete_checkpoints()
+            return str(newest[0]) if newest else None
+        problem = verify(Path(self.cfg.resume))
+        if problem:
+            raise ValueError(f"checkpoint.resume={self.cfg.resume}: {problem}")
+        return self.cfg.resume
+
+    # -- saving ---------------------------------------------------------------------------------
+
+    def save(self, state: TrainState, step: int) -> None:
+        """Write a checkpoint of `state` at `step`; async mode returns once the state is staged."""
+        self.wait()
+        target = self.root / f"step_{step:08d}"
+        token = [None]
+        if self.rank == 0 and not (target / MARKER).exists():
+            token[0] = f"{time.time_ns():x}"
+        dist.broadcast_object_list(token, src=0)
+        if token[0] is None:
+            return  # this step is already saved (a resumed run stopping at once)
+        partial = self.root / f"{target.name}.partial-{token[0]}"
+        state.step = step
+        if self.async_group is None:
+            dcp.save({"train": state}, checkpoint_id=partial)
+            self._finalize(partial, target, step)
+        else:
+            future = dcp.async_save({"train": state}, checkpoint_id=partial, process_group=self.async_group)
+            self.pending = (future, partial, target, step)
+
+    def wait(self) -> None:
+        """Block until an async save in flight is on disk, then finalize it."""
+        if self.pending is None:
+            return
+        future, partial, target, step = self.pending
+        self.pending = None
+        future.result()
+        self._finalize(partial, target, step)
+
+    def _finalize(self, partial: Path, target: Path, step: int) -> None:
+        # dcp.save returns on every rank only after all shards and .metadata are written.
+        if self.rank != 0:
+            return
+        files = {p.name: p.stat().st_size for p in partial.iterdir() if p.is_file()}
+        marker = {"step": step, "world_size": self.world_size, "torch": torch.__version__, "files": files}
+        _write_durably(partial / MARKER, json.dumps(marker, indent=1))
+        os.replace(partial, target)
+        _fsync_dir(self.root)
+        logger.info("saved checkpoint %s", target)
+        self._purge(keep=target)
+
+    def _purge(self, keep: Path) -> None:
+        """Delete checkpoints beyond keep_last and abandoned partial directories."""
+        complete = [p for p in self.complete_checkpoints() if p != keep]
+        for old in complete[self.cfg.keep_last - 1 :]:
+            _remove(old)
+        for partial in self.root.glob("step_*.partial-*"):
+            _remove(partial)
+
+    # -- loading --------------------------------------------------------------------------------
+
+    def load(self, state: TrainState, path: Path) -> None:
+        saved_world = json.loads((path / MARKER).read_text())["world_size"]
+        state.restore_rng = saved_world == self.world_size
+        if not state.restore_rng:
+            logger.warning(
+                "checkpoint %s was saved by %d ranks, this run has %d: model, optimizer, schedule and data "
+                "position reshard; per-rank RNG states do not and are not restored",
+                path,
+                saved_world,
+                self.world_size,
+            )
+        dcp.load({"train": state}, checkpoint_id=path, planner=WeightsOnlyLoadPlanner())
+        state.restore_rng = True
+        logger.info("resumed from %s at step %d", path, state.step)
+
+    def close(self) -> None:
+        self.wait()
+        if self.async_group is not None:
+            dist.destroy_process_group(self.async_group)
+
+
+def verify(path: Path) -> str:
+    """Empty if `path` is a complete checkpoint whose files are all present at their recorded size."""
+    marker = path / MARKER
+    if not marker.is_file():
+        return f"no {MARKER} (the save did not finish)"
+    try:
+        files = json.loads(marker.read_text())["files"]
+    except (ValueError, KeyError) as exc:
+        return f"unreadable {MARKER}: {exc}"
+    for name, size in files.items():
+        f = path / name
+        if not f.is_file():
+            return f"missing file {name}"
+        if f.stat().st_size != size:
+            return f"{name} has {f.stat().st_size} bytes, expected {size} (truncated or overwritten)"
+    return ""
+
+
+def _write_durably(path: Path, text: str) -> None:
+    with path.open("w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove(path: Path) -> None:
+    """Drop the marker first: a crash mid-delete must not leave a 'complete' checkpoint with holes."""
+    (path / MARKER).unlink(missing_ok=True)
+    shutil.rmtree(path, ignore_errors=True)

@@ -1,0 +1,260 @@
+"""One typed config tree. Precedence: command line > TOML file > the defaults below.
+
+    torchrun --nproc_per_node 2 -m <package>.train --config configs/debug.toml --train.steps 100
+
+Every field has one line of documentation, which is also its `--help` text. Values are
+checked in `Config.validate` before anything is allocated; a bad value raises ValueError
+naming the field and the fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import tyro
+
+Sharding = Literal["full", "shard_grad_op", "hybrid", "no_shard"]
+Precision = Literal["bf16", "fp16", "fp32"]
+
+
+@dataclass
+class ModelConfig:
+    name: Literal["llama"] = "llama"
+    """Model family; models/__init__.py maps it to a class."""
+    preset: str = "debug"
+    """Name of the size preset these shapes came from (informational)."""
+    vocab_size: int = 256
+    """Vocabulary size (embedding rows and output logits)."""
+    dim: int = 128
+    """Hidden size."""
+    n_layers: int = 4
+    """Number of decoder blocks; each block is one FSDP unit."""
+    n_heads: int = 4
+    """Attention heads."""
+    n_kv_heads: int = 2
+    """Key/value heads (grouped-query attention); must divide n_heads."""
+    ffn_hidden_dim: int = 384
+    """SwiGLU hidden size."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
+    rope_theta: float = 10000.0
+    """Rotary embedding base."""
+    max_seq_len: int = 64
+    """Longest sequence the rotary cache covers."""
+    tie_embeddings: bool = True
+    """Share the input embedding and output projection weights."""
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 40
+    """Optimizer steps in the whole run; the LR schedule spans them."""
+    stop_after_steps: int = 0
+    """Stop this job after this many steps (a time-boxed allocation) and save; 0 runs to `steps`."""
+    global_batch_size: int = 8
+    """Sequences per optimizer step, summed over all data-parallel ranks and micro-batches."""
+    micro_batch_size: int = 4
+    """Sequences per rank per forward pass; accumulation makes up the rest of the global batch."""
+    seq_len: int = 64
+    """Tokens per sequence."""
+    lr: float = 3e-3
+    """Peak learning rate (AdamW)."""
+    min_lr_ratio: float = 0.1
+    """Cosine decay floor as a fraction of lr."""
+    warmup_steps: int = 4
+    """Linear warm-up steps."""
+    weight_decay: float = 0.1
+    """AdamW weight decay, applied to matrices only (not norms)."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW betas."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping (the norm is still logged)."""
+    seed: int = 0
+    """Seed for weight init and data order; the same seed gives the same run at any world size."""
+
+
+@dataclass
+class ParallelConfig:
+    sharding: Sharding = "full"
+    """full (ZeRO-3), shard_grad_op (ZeRO-2), hybrid (HSDP: shard in a node, replicate across), no_shard (DDP)."""
+    hsdp_shard_size: int = 0
+    """Ranks per shard group for hybrid; 0 uses the ranks of one node (LOCAL_WORLD_SIZE)."""
+    mixed_precision: Precision = "fp32"
+    """Compute dtype of the unsharded parameters; gradients are reduced and kept in fp32."""
+    cpu_offload: bool = False
+    """Keep sharded parameters, gradients and optimizer state in host memory (CPUOffloadPolicy)."""
+    activation_checkpointing: Literal["none", "selective", "full"] = "none"
+    """Recompute activations in backward: none, selective (keep matmul/attention outputs), full (keep block inputs)."""
+    compile: bool = False
+    """torch.compile each block (after activation checkpointing, before sharding)."""
+    compile_backend: str = "inductor"
+    """torch.compile backend; aot_eager checks graph capture without code generation."""
+
+
+@dataclass
+class DistConfig:
+    backend: Literal["auto", "nccl", "xccl", "gloo", "mpi"] = "auto"
+    """Process-group backend for the device; auto picks nccl/xccl/gloo from it."""
+    init_method: str = "env://"
+    """Rendezvous: env:// (torchrun), tcp://host:port or file:///shared/path."""
+    init_timeout_s: int = 600
+    """Collective timeout until the first step has finished (covers init, compile, first load)."""
+    train_timeout_s: int = 300
+    """Collective timeout after the first step; a hung rank is reported after this long."""
+
+
+@dataclass
+class CheckpointConfig:
+    format: Literal["dcp", "dcp_async"] = "dcp"
+    """dcp saves synchronously; dcp_async stages to host memory and writes in the background."""
+    interval: int = 10
+    """Save every N steps (and at the end of the run or job)."""
+    keep_last: int = 2
+    """Complete checkpoints to keep; older ones are deleted only after a newer one is complete."""
+    resume: str = "auto"
+    """auto (newest complete checkpoint in the run dir), never, or a checkpoint directory."""
+
+
+@dataclass
+class DataConfig:
+    source: Literal["synthetic"] = "synthetic"
+    """Where tokens come from; synthetic is a learnable Markov chain generated from the seed."""
+    synthetic_branching: int = 2
+    """Successors per token in the synthetic chain; the loss floor is ln(branching)."""
+
+
+@dataclass
+class MetricsConfig:
+    log_every: int = 1
+    """Log loss, grad norm, throughput, MFU and memory every N steps (rank 0)."""
+    progress_bar: bool = True
+    """Show a progress bar on rank 0."""
+    peak_tflops: float = 0.0
+    """Peak dense TFLOP/s of one device for MFU; 0 looks the device up by name."""
+
+
+@dataclass
+class HardwareConfig:
+    accelerator: Literal["cuda", "xpu", "cpu"] = "cpu"
+    """Device kind the repo was generated for."""
+    gpus_per_node: int = 2
+    """Ranks per node in the plan."""
+    num_nodes: int = 1
+    """Nodes in the plan."""
+    gpu_memory_gb: float = 0.0
+    """Memory of one device in GiB (0 for CPU)."""
+    enforce: bool = False
+    """Refuse to start when the live world size or device memory contradicts the plan."""
+
+
+@dataclass
+class Config:
+    device: Literal["auto", "cuda", "xpu", "cpu"] = "auto"
+    """Device to train on; auto takes cuda or xpu when present and falls back to CPU + gloo."""
+    run_dir: str = "runs/debug"
+    """Directory for checkpoints and metrics of this run."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
+
+    def validate(self) -> Config:
+        """Raise ValueError listing every value that cannot work, whatever the world size."""
+        m, t, p, c = self.model, self.train, self.parallel, self.checkpoint
+        errors: list[str] = []
+
+        def require(ok: bool, message: str) -> None:
+            if not ok:
+                errors.append(message)
+
+        require(m.dim % m.n_heads == 0, f"model.dim={m.dim} must be divisible by model.n_heads={m.n_heads}")
+        require(m.n_heads % m.n_kv_heads == 0, f"model.n_heads={m.n_heads} must be a multiple of n_kv_heads")
+        require(m.dim // m.n_heads % 2 == 0, "model.dim / model.n_heads must be even for rotary embeddings")
+        require(t.seq_len <= m.max_seq_len, f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+        require(t.steps > 0, f"train.steps={t.steps} must be positive")
+        require(0 <= t.warmup_steps < t.steps, f"train.warmup_steps={t.warmup_steps} must be in [0, train.steps)")
+        require(t.lr > 0, f"train.lr={t.lr} must be positive")
+        require(t.micro_batch_size > 0, f"train.micro_batch_size={t.micro_batch_size} must be positive")
+        require(
+            t.global_batch_size % t.micro_batch_size == 0,
+            f"train.global_batch_size={t.global_batch_size} must be a multiple of train.micro_batch_size",
+        )
+        require(
+            not (p.cpu_offload and p.sharding == "no_shard"),
+            "parallel.cpu_offload needs a sharded mode: no_shard (DDP) keeps everything on the device",
+        )
+        require(c.interval > 0, f"checkpoint.interval={c.interval} must be positive")
+        require(c.keep_last >= 1, f"checkpoint.keep_last={c.keep_last} must be at least 1")
+        require(self.data.synthetic_branching >= 1, "data.synthetic_branching must be at least 1")
+        require(self.metrics.log_every > 0, f"metrics.log_every={self.metrics.log_every} must be positive")
+        if errors:
+            raise ValueError("invalid config:\n  " + "\n  ".join(errors))
+        return self
+
+
+def _from_dict(cls: type, data: dict, where: str):
+    """Build dataclass `cls` from a TOML table, refusing unknown keys and wrong types."""
+    hints = typing.get_type_hints(cls)
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        name = f"{where}{key}"
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f" (did you mean '{where}{close[0]}'?)" if close else ""
+            raise ValueError(f"unknown config key '{name}'{hint}")
+        hint = hints[key]
+        if dataclasses.is_dataclass(hint):
+            if not isinstance(value, dict):
+                raise ValueError(f"config key '{name}' must be a table")
+            kwargs[key] = _from_dict(hint, value, f"{name}.")
+        else:
+            kwargs[key] = _check_type(name, hint, value)
+    return cls(**kwargs)
+
+
+def _check_type(name: str, hint, value):
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        if value not in typing.get_args(hint):
+            raise ValueError(f"config key '{name}' = {value!r} is not one of {list(typing.get_args(hint))}")
+        return value
+    if origin is tuple:
+        return tuple(value)
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
+        raise ValueError(f"config key '{name}' = {value!r} should be {hint.__name__}")
+    return value
+
+
+def load_config(argv: list[str] | None = None) -> Config:
+    """Parse `--config FILE` and the overrides that follow it."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config", type=Path, default=None, help="TOML file with the run's settings")
+    args, rest = pre.parse_known_args(argv)
+    base = Config()
+    if args.config is not None:
+        if not args.config.is_file():
+            raise ValueError(f"--config {args.config}: no such file")
+        with args.config.open("rb") as f:
+            base = _from_dict(Config, tomllib.load(f), "")
+    cfg = tyro.cli(
+        Config,
+        default=base,
+        args=rest,
+        description="Train with FSDP2. --config FILE loads a TOML file; flags below override it.",
+        config=(tyro.conf.FlagConversionOff,),
+    )
+    return cfg.validate()

@@ -1,0 +1,153 @@
+"""Rank-aware logging, throughput, MFU, memory, and the run's metrics file."""
+
+from __future__ import annotations
+
+import json
+import logging
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from .config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+# Dense bf16 peak TFLOP/s per device (vendor data sheets, without sparsity). The first name
+# that occurs in torch's device name wins, so more specific names come first.
+PEAK_BF16_TFLOPS = {
+    "GB200": 2450.0,
+    "B200": 2250.0,
+    "H200": 989.0,
+    "H100 NVL": 835.0,
+    "H100 PCIe": 756.0,
+    "H100": 989.0,
+    "A100": 312.0,
+    "L40S": 362.0,
+    "A10G": 70.0,
+    "A10": 125.0,
+    "L4": 121.0,
+    "V100": 125.0,
+    "MI300X": 1307.0,
+    "Max 1550": 838.0,
+}
+
+
+def init_logging(rank: int) -> None:
+    """INFO from rank 0 only; warnings and errors from every rank, tagged with the rank."""
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format=f"%(asctime)s [rank{rank}] %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stderr,
+        force=True,
+    )
+
+
+def flops_per_token(model: nn.Module, cfg: ModelConfig, seq_len: int) -> int:
+    """Training FLOPs per token, torchtitan's convention: 6 x matmul parameters + attention.
+
+    The embedding lookup is not a matmul; the output projection is, tied or not.
+    Attention adds 12 * layers * heads * head_dim * seq_len (2 matmuls, x3 for forward and
+    backward, x2 for multiply-add), ignoring causal sparsity as is customary.
+    """
+    n_params = sum(p.numel() for p in model.parameters())
+    n_matmul = n_params - cfg.vocab_size * cfg.dim + (cfg.vocab_size * cfg.dim if cfg.tie_embeddings else 0)
+    return 6 * n_matmul + 12 * cfg.n_layers * cfg.dim * seq_len
+
+
+def peak_tflops(device: torch.device, configured: float) -> float | None:
+    """Peak TFLOP/s of one device: the configured value, else looked up by name; None if unknown."""
+    if configured > 0:
+        return configured
+    if device.type == "cpu":
+        return None
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else torch.xpu.get_device_name(device)
+    return next((tflops for key, tflops in PEAK_BF16_TFLOPS.items() if key in name), None)
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """Peak allocated device memory, or the process's peak resident memory on the CPU."""
+    if device.type == "cpu":
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+    return torch.accelerator.max_memory_allocated(device) / 2**30
+
+
+class MetricsLogger:
+    """Logs on rank 0 every `log_every` steps and appends one JSON line per logged step."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        enabled: bool,
+        log_every: int,
+        progress_bar: bool,
+        total_steps: int,
+        start_step: int,
+        tokens_per_step: int,
+        world_size: int,
+        flops_per_token: int,
+        peak_tflops: float | None,
+        device: torch.device,
+    ):
+        self.enabled, self.log_every, self.device = enabled, log_every, device
+        self.tokens_per_step, self.world_size = tokens_per_step, world_size
+        self.flops_per_token, self.peak_tflops = flops_per_token, peak_tflops
+        self.file = (run_dir / "metrics.jsonl").open("a") if enabled else None
+        self.bar = tqdm(
+            total=total_steps,
+            initial=start_step,
+            disable=not (enabled and progress_bar),
+            unit="step",
+            dynamic_ncols=True,
+        )
+        self.last_time, self.last_step = time.perf_counter(), start_step
+
+    def should_log(self, step: int) -> bool:
+        return step % self.log_every == 0
+
+    def log(self, step: int, loss: float, grad_norm: float, lr: float) -> None:
+        """Record a step; call on every rank (only rank 0 writes)."""
+        self.bar.update(step - self.bar.n)
+        if not self.enabled:
+            return
+        now = time.perf_counter()
+        seconds = (now - self.last_time) / max(step - self.last_step, 1)
+        self.last_time, self.last_step = now, step
+        tokens_per_s_device = self.tokens_per_step / seconds / self.world_size
+        mfu = None
+        if self.peak_tflops:
+            mfu = 100 * self.flops_per_token * tokens_per_s_device / (self.peak_tflops * 1e12)
+        record = {
+            "step": step,
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "step_time_s": seconds,
+            "tokens_per_s_per_device": tokens_per_s_device,
+            "mfu_pct": mfu,
+            "peak_mem_gib": peak_memory_gib(self.device),
+        }
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        mfu_text = f"{mfu:.1f}%" if mfu is not None else "n/a"
+        logger.info(
+            "step %d  loss %.4f  grad_norm %.3f  lr %.2e  %.0f tok/s/dev  mfu %s  peak mem %.2f GiB",
+            step,
+            loss,
+            grad_norm,
+            lr,
+            tokens_per_s_device,
+            mfu_text,
+            record["peak_mem_gib"],
+        )
+
+    def close(self) -> None:
+        self.bar.close()
+        if self.file:
+            self.file.close()

@@ -1,0 +1,129 @@
+"""A Llama-style decoder: RMSNorm, rotary embeddings, SwiGLU, grouped-query attention.
+
+Plain nn.Module code. Parallelism is applied from outside (parallelize.py), so nothing here
+imports torch.distributed. The model is built on the meta device, sharded, materialised with
+`to_empty`, and only then initialised; `init_weights` and `init_buffers` are that last step.
+
+Rotary embeddings use the rotate-half layout of Hugging Face's LlamaForCausalLM, so exported
+weights need renaming only, no permutation.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+
+
+def rope_cache(head_dim: int, max_seq_len: int, theta: float, device=None) -> torch.Tensor:
+    """cos and sin tables, shape (max_seq_len, 2, head_dim), in float32."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return torch.stack([angles.cos(), angles.sin()], dim=1)
+
+
+def apply_rope(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """Rotate x (batch, heads, seq, head_dim) by the cached angles of its positions."""
+    seq_len = x.shape[-2]
+    # The cache stays float32; casting here keeps bf16 activations bf16 (FSDP does not cast buffers).
+    cos, sin = cache[:seq_len, 0].to(x.dtype), cache[:seq_len, 1].to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.n_kv_heads
+        self.head_dim = cfg.dim // cfg.n_heads
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        bsz, seq_len, _ = x.shape
+        q = self.wq(x).view(bsz, seq_len, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(bsz, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(bsz, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)
+        return self.wo(out.transpose(1, 2).reshape(bsz, seq_len, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.w1 = nn.Linear(cfg.dim, cfg.ffn_hidden_dim, bias=False)
+        self.w3 = nn.Linear(cfg.dim, cfg.ffn_hidden_dim, bias=False)
+        self.w2 = nn.Linear(cfg.ffn_hidden_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    """One decoder layer; each block becomes one FSDP unit (and one AC / compile region)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), rope)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Llama(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        # Derived from the config, never trained or saved: persistent=False keeps it out of
+        # checkpoints, which is why init_buffers must recompute it after to_empty().
+        self.register_buffer(
+            "rope", rope_cache(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta), persistent=False
+        )
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h, self.rope)
+        return self.output(self.norm(h))
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.tok_embeddings
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.output
+
+    @torch.no_grad()
+    def init_weights(self, generator: torch.Generator | None = None) -> None:
+        """GPT-2 style init: N(0, 0.02), residual projections scaled by 1/sqrt(2 * n_layers)."""
+        std, residual_std = 0.02, 0.02 / math.sqrt(2 * self.cfg.n_layers)
+        for name, module in self.named_modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                is_residual = name.endswith(("attention.wo", "feed_forward.w2"))
+                nn.init.normal_(module.weight, std=residual_std if is_residual else std, generator=generator)
+            elif isinstance(module, nn.RMSNorm):
+                module.reset_parameters()
+        self.init_buffers()
+
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        """Recompute non-persistent buffers in place, on whatever device they now live on."""
+        cfg = self.cfg
+        self.rope.copy_(rope_cache(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta, device=self.rope.device))

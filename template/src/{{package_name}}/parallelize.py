@@ -1,0 +1,146 @@
+"""Activation checkpointing, compile and data parallelism, applied to a model on the meta device.
+
+The order follows torchtitan: checkpoint each block, compile each block, then shard each block
+and finally the root. This is the only file that calls `fully_shard`.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from .config import ParallelConfig
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+# Selective checkpointing keeps what is expensive to recompute (matmuls and attention) and
+# recomputes the cheap elementwise work around it (norms, activations, rotary embeddings).
+_SAVE_OPS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+}
+
+
+def _save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def apply_ac(layers: nn.ModuleList, mode: str) -> None:
+    """Wrap each block so its activations are recomputed in backward."""
+    if mode == "none":
+        return
+    kwargs = {}
+    if mode == "selective":
+        kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _save_matmuls)
+    for i, block in enumerate(layers):
+        # preserve_rng_state=False: the blocks have no dropout, and saving RNG state costs a sync.
+        layers[i] = checkpoint_wrapper(block, preserve_rng_state=False, **kwargs)
+
+
+def apply_compile(layers: nn.ModuleList, backend: str) -> None:
+    """Compile each block in place; whole-model compile would break at every FSDP hook."""
+    for block in layers:
+        block.compile(backend=backend, fullgraph=True)
+
+
+def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
+    """Compute in `precision`, reduce gradients in fp32 (sharded master weights stay fp32)."""
+    if precision == "fp32":
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=DTYPES[precision], reduce_dtype=torch.float32)
+
+
+def reshard_after_forward(sharding: str) -> bool:
+    """full frees gathered parameters after forward (ZeRO-3); shard_grad_op keeps them (ZeRO-2)."""
+    return sharding != "shard_grad_op"
+
+
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig) -> None:
+    """Shard each block, then the embeddings and output head, then the root."""
+    # pin_memory needs an accelerator; on a CPU-only build pinning raises during to_empty().
+    offload = CPUOffloadPolicy(pin_memory=torch.accelerator.is_available()) if cfg.cpu_offload else OffloadPolicy()
+    shard = functools.partial(
+        fully_shard, mesh=mesh, mp_policy=mixed_precision_policy(cfg.mixed_precision), offload_policy=offload
+    )
+    reshard = reshard_after_forward(cfg.sharding)
+    for block in model.layers:
+        shard(block, reshard_after_forward=reshard)
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if embed is not None and head is not None and embed.weight is head.weight:
+        # A tied weight must live in exactly one FSDP group; sharding either module alone
+        # unties them and fails at the first forward.
+        shard([embed, head], reshard_after_forward=reshard)
+    else:
+        if embed is not None:
+            shard(embed, reshard_after_forward=reshard)
+        if head is not None:
+            # The head runs last in forward and first in backward: resharding it would only
+            # trigger an immediate re-gather.
+            shard(head, reshard_after_forward=False)
+    shard(model)
+
+
+def init_weights_from_rank0(model: nn.Module, build_reference: Callable[[], nn.Module], seed: int) -> None:
+    """Initialise a full copy on rank 0's CPU and broadcast it into the (sharded) model.
+
+    The weights are then the same at any world size: DTensor random init depends on the
+    sharding, and on a CPU mesh it even repeats one shard on every rank. This is the FSDP2
+    replacement for FSDP1's sync_module_states.
+    """
+    full_state = {}
+    if dist.get_rank() == 0:
+        with torch.device("cpu"):
+            reference = build_reference()
+        reference.init_weights(torch.Generator().manual_seed(seed))
+        full_state = reference.state_dict()
+    if isinstance(model, FSDPModule):
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_model_state_dict(model, full_state, options=options)
+    elif dist.get_rank() == 0:
+        # Not yet wrapped in DDP: its constructor broadcasts rank 0's parameters and buffers.
+        model.load_state_dict(full_state)
+
+
+def wrap_ddp(model: nn.Module, device: torch.device) -> DistributedDataParallel:
+    """no_shard: every rank holds everything; gradients are all-reduced in buckets."""
+    return DistributedDataParallel(model, device_ids=[device.index] if device.type != "cpu" else None)
+
+
+@contextmanager
+def gradient_sync(model: nn.Module, enabled: bool, *, hsdp: bool) -> Iterator[None]:
+    """Skip gradient communication on all but the last micro-batch of an accumulation."""
+    if isinstance(model, DistributedDataParallel):
+        if enabled:
+            yield
+        else:
+            with model.no_sync():
+                yield
+        return
+    if hsdp:
+        # Keep the reduce-scatter (gradients stay sharded, memory stays bounded) and skip only
+        # the all-reduce across replicas until the last micro-batch.
+        model.set_requires_all_reduce(enabled)
+    else:
+        model.set_requires_gradient_sync(enabled)
+    yield
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The module that owns the architecture (DDP hides it behind .module)."""
+    return model.module if isinstance(model, DistributedDataParallel) else model

@@ -1,0 +1,253 @@
+"""Training entry point. main() reads top to bottom as the run happens:
+
+    init_distributed -> build_model_meta -> build_optimizer -> checkpoint_load
+    -> loop { train_step -> metrics -> checkpoint_save } -> teardown
+
+Launch with torchrun, e.g. `torchrun --standalone --nproc_per_node 2 -m <package>.train
+--config configs/debug.toml`, or with scripts/run_local.sh.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.tensor import DTensor
+from tqdm.contrib.logging import logging_redirect_tqdm
+
+from .checkpoint import CheckpointManager, TrainState
+from .config import Config, load_config
+from .data import build_loader
+from .distributed import (
+    DistEnv,
+    StopRequest,
+    any_rank,
+    build_mesh,
+    check_backend,
+    init_process_group,
+    mean_across_ranks,
+    rendezvous_from_env,
+    resolve_backend,
+    resolve_device,
+    set_collective_timeout,
+)
+from .metrics import MetricsLogger, flops_per_token, init_logging, peak_tflops
+from .models import build_model
+from .parallelize import (
+    DTYPES,
+    apply_ac,
+    apply_compile,
+    apply_fsdp,
+    gradient_sync,
+    init_weights_from_rank0,
+    wrap_ddp,
+)
+from .plan import check_plan
+
+logger = logging.getLogger(__name__)
+
+
+def init_distributed(cfg: Config) -> DistEnv:
+    """Check the plan, join the process group on the right device and backend, build the mesh."""
+    rdzv = rendezvous_from_env(cfg.dist.init_method)
+    init_logging(rdzv.rank)
+    device = resolve_device(cfg.device, rdzv.local_rank)
+    check_plan(cfg, rdzv.world_size, device)
+    if device.type != "cpu":
+        torch.accelerator.set_device_index(device.index)
+    backend = resolve_backend(cfg.dist.backend, device, cpu_collectives=cfg.parallel.cpu_offload)
+    check_backend(backend, device.type, cfg.parallel.sharding)
+    init_process_group(rdzv, device, backend, cfg.dist.init_method, cfg.dist.init_timeout_s)
+    shard_size = cfg.parallel.hsdp_shard_size or rdzv.local_world_size
+    mesh = build_mesh(cfg.parallel.sharding, device.type, rdzv.world_size, shard_size)
+    torch.manual_seed(cfg.train.seed)
+    logger.info("world size %d on %s, backend %s, mesh %s", rdzv.world_size, device, backend, mesh)
+    return DistEnv(rdzv.rank, rdzv.world_size, rdzv.local_world_size, device, backend, mesh)
+
+
+def build_model_meta(cfg: Config, env: DistEnv, *, init_weights: bool) -> nn.Module:
+    """Build on the meta device, parallelize, materialise this rank's shards, initialise."""
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    p = cfg.parallel
+    apply_ac(model.layers, p.activation_checkpointing)
+    if p.compile:
+        apply_compile(model.layers, p.compile_backend)
+    if p.sharding != "no_shard":
+        apply_fsdp(model, env.mesh, p)
+    # Allocates only this rank's shards (on the host with CPU offload); the contents are garbage.
+    model.to_empty(device=env.device)
+    if init_weights:  # a resumed run gets its weights from the checkpoint instead
+        init_weights_from_rank0(model, lambda: build_model(cfg.model), cfg.train.seed)
+    # Non-persistent buffers are neither broadcast nor checkpointed: every rank recomputes them.
+    model.init_buffers()
+    if p.sharding == "no_shard":
+        model = wrap_ddp(model, env.device)
+    n_params = sum(p.numel() for p in model.parameters())
+    logger.info("model %s: %.2fM parameters, sharding %s", cfg.model.preset, n_params / 1e6, p.sharding)
+    return model
+
+
+def build_optimizer(cfg: Config, model: nn.Module):
+    """AdamW over the sharded parameters, with linear warm-up and cosine decay.
+
+    Built after sharding, so its state is created for (and sharded like) the DTensor parameters.
+    """
+    t = cfg.train
+    params = list(model.parameters())
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": t.weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=t.betas)
+
+    def lr_factor(done: int) -> float:
+        if done < t.warmup_steps:
+            return (done + 1) / t.warmup_steps
+        progress = (done - t.warmup_steps) / max(t.steps - t.warmup_steps, 1)
+        return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+
+
+@dataclass
+class StepContext:
+    hsdp: bool
+    """Accumulate by skipping only the all-reduce across replicas."""
+    autocast_dtype: torch.dtype | None
+    """DDP computes in low precision under autocast; FSDP casts through its MixedPrecisionPolicy."""
+    scaler: torch.amp.GradScaler | None
+    """fp16 only: scales the loss so small gradients survive, skips steps that overflow."""
+    max_grad_norm: float
+    device: torch.device
+
+
+@dataclass
+class StepResult:
+    loss: torch.Tensor
+    """This rank's mean loss over its micro-batches (a detached scalar on the device)."""
+    grad_norm: float
+    """Global gradient norm before clipping."""
+
+
+def train_step(model: nn.Module, optimizer, scheduler, micro_batches, ctx: StepContext) -> StepResult:
+    """One optimizer step over this rank's micro-batches; gradients are reduced on the last one."""
+    loss_sum = torch.zeros((), device=ctx.device)
+    for i, (inputs, targets) in enumerate(micro_batches):
+        last = i == len(micro_batches) - 1
+        autocast = torch.autocast(ctx.device.type, ctx.autocast_dtype) if ctx.autocast_dtype else nullcontext()
+        with gradient_sync(model, last, hsdp=ctx.hsdp), autocast:
+            logits = model(inputs)  # model(x), never model.forward(x): FSDP hooks live in __call__
+            # Each micro-batch contributes mean/len, so the sum is this rank's mean; FSDP and DDP
+            # average over ranks, so gradients are those of the global-batch mean.
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()) / len(micro_batches)
+            (ctx.scaler.scale(loss) if ctx.scaler else loss).backward()
+        loss_sum += loss.detach()
+    if ctx.scaler:
+        ctx.scaler.unscale_(optimizer)
+    max_norm = ctx.max_grad_norm if ctx.max_grad_norm > 0 else math.inf
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)
+    # With sharded parameters the norm is a DTensor; full_tensor() makes .item() the global value.
+    grad_norm = (norm.full_tensor() if isinstance(norm, DTensor) else norm).item()
+    if not math.isfinite(grad_norm) and ctx.scaler is None:
+        raise FloatingPointError(
+            f"non-finite loss or gradient (grad norm {grad_norm}) at step {scheduler.last_epoch + 1}; refusing "
+            "to update the weights. Lower train.lr, raise train.warmup_steps, or check the data"
+        )
+    if ctx.scaler:
+        ctx.scaler.step(optimizer)  # skipped when the scaled gradients overflowed
+        ctx.scaler.update()
+    else:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    scheduler.step()
+    return StepResult(loss_sum, grad_norm)
+
+
+def checkpoint_load(ckpt: CheckpointManager, state: TrainState, path: Path | None) -> int:
+    """Resume model, optimizer, LR schedule, data position and RNG; return the step reached."""
+    if path is None:
+        logger.info("no checkpoint to resume (checkpoint.resume=%s): starting at step 0", ckpt.cfg.resume)
+        return 0
+    ckpt.load(state, path)
+    return state.step
+
+
+def checkpoint_save(ckpt: CheckpointManager, state: TrainState, step: int, *, final: bool) -> None:
+    """Save every checkpoint.interval steps, and whenever the run or this job ends."""
+    if final or step % ckpt.cfg.interval == 0:
+        ckpt.save(state, step)
+
+
+def build_step_context(cfg: Config, env: DistEnv) -> StepContext:
+    p = cfg.parallel
+    low_precision = DTYPES[p.mixed_precision] if p.mixed_precision != "fp32" else None
+    return StepContext(
+        hsdp=p.sharding == "hybrid",
+        autocast_dtype=low_precision if p.sharding == "no_shard" else None,
+        scaler=torch.amp.GradScaler(env.device.type) if p.mixed_precision == "fp16" else None,
+        max_grad_norm=cfg.train.max_grad_norm,
+        device=env.device,
+    )
+
+
+def build_metrics(cfg: Config, env: DistEnv, model: nn.Module, start_step: int) -> MetricsLogger:
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return MetricsLogger(
+        run_dir,
+        enabled=env.is_main,
+        log_every=cfg.metrics.log_every,
+        progress_bar=cfg.metrics.progress_bar,
+        total_steps=cfg.train.steps,
+        start_step=start_step,
+        tokens_per_step=cfg.train.global_batch_size * cfg.train.seq_len,
+        world_size=env.world_size,
+        flops_per_token=flops_per_token(model, cfg.model, cfg.train.seq_len),
+        peak_tflops=peak_tflops(env.device, cfg.metrics.peak_tflops),
+        device=env.device,
+    )
+
+
+@record
+def main(argv: list[str] | None = None) -> None:
+    cfg = load_config(argv)
+    env = init_distributed(cfg)
+    try:
+        ckpt = CheckpointManager(cfg.checkpoint, Path(cfg.run_dir) / "checkpoints", env.rank, env.world_size)
+        resume = ckpt.resume_path()
+        model = build_model_meta(cfg, env, init_weights=resume is None)
+        optimizer, scheduler = build_optimizer(cfg, model)
+        loader = build_loader(cfg, env.rank, env.world_size, env.device)
+        state = TrainState(model, optimizer, scheduler, loader, env.rank)
+        start = step = checkpoint_load(ckpt, state, resume)
+        ctx, metrics, stop = build_step_context(cfg, env), build_metrics(cfg, env, model, step), StopRequest()
+        with logging_redirect_tqdm():
+            while step < cfg.train.steps:
+                step += 1
+                result = train_step(model, optimizer, scheduler, loader.next_batches(), ctx)
+                if metrics.should_log(step):
+                    metrics.log(step, mean_across_ranks(result.loss), result.grad_norm, scheduler.get_last_lr()[0])
+                if step == start + 1:
+                    set_collective_timeout(cfg.dist.train_timeout_s)
+                job_done = step - start == cfg.train.stop_after_steps or any_rank(stop.requested, env.device)
+                checkpoint_save(ckpt, state, step, final=job_done or step == cfg.train.steps)
+                if job_done:
+                    logger.info("stopping after step %d (%s); resume with the same command", step, stop.reason)
+                    break
+        ckpt.close()
+        metrics.close()
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
