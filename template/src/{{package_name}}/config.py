@@ -144,12 +144,18 @@ class MetricsConfig:
 class HardwareConfig:
     accelerator: Literal["cuda", "xpu", "cpu"] = "cpu"
     """Device kind the repo was generated for."""
+    gpu_arch: str = ""
+    """CUDA generation (hopper, ampere, ...) the plan assumed; empty for XPU and CPU."""
     gpus_per_node: int = 2
     """Ranks per node in the plan."""
     num_nodes: int = 1
     """Nodes in the plan."""
     gpu_memory_gb: float = 0.0
     """Memory of one device in GiB (0 for CPU)."""
+    intra_node_link: Literal["", "nvlink", "pcie"] = ""
+    """Link between the devices of a node; sets the communication estimates of the plan."""
+    inter_node_link: Literal["", "infiniband", "ethernet"] = ""
+    """Link between nodes; sets the communication estimates of the plan."""
     enforce: bool = False
     """Refuse to start when the live world size or device memory contradicts the plan."""
 

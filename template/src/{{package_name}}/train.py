@@ -85,6 +85,7 @@ def build_model_meta(cfg: Config, env: DistEnv, *, init_weights: bool) -> nn.Mod
         apply_fsdp(model, env.mesh, p)
     # Allocates only this rank's shards (on the host with CPU offload); the contents are garbage.
     model.to_empty(device=env.device)
+    model.tie_weights()
     if init_weights:  # a resumed run gets its weights from the checkpoint instead
         init_weights_from_rank0(model, lambda: build_model(cfg.model), cfg.train.seed)
     # Non-persistent buffers are neither broadcast nor checkpointed: every rank recomputes them.
@@ -221,6 +222,7 @@ def build_metrics(cfg: Config, env: DistEnv, model: nn.Module, start_step: int) 
 def main(argv: list[str] | None = None) -> None:
     cfg = load_config(argv)
     env = init_distributed(cfg)
+    model = state = None
     try:
         ckpt = CheckpointManager(cfg.checkpoint, Path(cfg.run_dir) / "checkpoints", env.rank, env.world_size)
         resume = ckpt.resume_path()
@@ -245,7 +247,11 @@ def main(argv: list[str] | None = None) -> None:
                     break
         ckpt.close()
         metrics.close()
+        any_rank(False, env.device)  # no rank tears down while another is still communicating
     finally:
+        # Release the model before the process group: a DDP reducer that outlives the group
+        # deadlocks gloo's teardown (it joins worker threads while holding the GIL).
+        del model, state
         dist.destroy_process_group()
 
 

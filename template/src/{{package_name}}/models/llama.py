@@ -104,6 +104,15 @@ class Llama(nn.Module):
             h = layer(h, self.rope)
         return self.output(self.norm(h))
 
+    def tie_weights(self) -> None:
+        """Share the embedding with the output head (again).
+
+        Materialising a plain module from meta (`to_empty`) gives each module a new Parameter,
+        which silently unties them; FSDP keeps the tie, DDP and single-device runs do not.
+        """
+        if self.cfg.tie_embeddings and self.output.weight is not self.tok_embeddings.weight:
+            self.output.weight = self.tok_embeddings.weight
+
     def get_input_embeddings(self) -> nn.Module:
         return self.tok_embeddings
 

@@ -1,0 +1,80 @@
+"""Every question changes the generated repo: no answer is decoration."""
+
+from __future__ import annotations
+
+import filecmp
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import TEMPLATE, render
+
+# Every question answered explicitly, so that changing one changes nothing else.
+BASE = {
+    "project_name": "proj", "package_name": "proj", "accelerator": "cuda", "gpu_arch": "hopper",
+    "gpus_per_node": 8, "num_nodes": 2, "gpu_memory_gb": 80, "intra_node_link": "nvlink",
+    "inter_node_link": "infiniband", "model_type": "llama", "model_size": "1b", "seq_len": 4096,
+    "micro_batch_size": 2, "mixed_precision": "bf16", "activation_checkpointing": "none", "sharding": "full",
+    "cpu_offload": False, "compile": True, "backend": "nccl", "init_method": "env", "checkpoint_format": "dcp",
+    "checkpoint_interval": 500,
+}  # fmt: skip
+# question -> (answers that must differ from BASE for the change to be valid, the other answer)
+CHANGE = {
+    "project_name": ({}, "other-proj"),
+    "package_name": ({}, "other"),
+    "accelerator": ({"backend": "gloo"}, "cpu"),
+    "gpu_arch": ({}, "ampere"),
+    "gpus_per_node": ({}, 4),
+    "num_nodes": ({}, 1),
+    "gpu_memory_gb": ({}, 40),
+    "intra_node_link": ({}, "pcie"),
+    "inter_node_link": ({}, "ethernet"),
+    "model_size": ({}, "3b"),
+    "seq_len": ({}, 2048),
+    "micro_batch_size": ({}, 1),
+    "mixed_precision": ({}, "fp16"),
+    "activation_checkpointing": ({}, "full"),
+    "sharding": ({}, "shard_grad_op"),
+    "cpu_offload": ({}, True),
+    "compile": ({}, False),
+    "backend": ({}, "gloo"),
+    "init_method": ({}, "tcp"),
+    "checkpoint_format": ({}, "dcp_async"),
+    "checkpoint_interval": ({}, 100),
+}
+
+
+def questions() -> dict:
+    config = yaml.safe_load((TEMPLATE / "copier.yml").read_text())
+    return {k: v for k, v in config.items() if not k.startswith("_")}
+
+
+def test_every_question_is_covered():
+    single_choice = {q for q, spec in questions().items() if len(spec.get("choices", [None, None])) == 1}
+    assert set(questions()) - single_choice == set(CHANGE)
+
+
+def differences(a: Path, b: Path) -> list[str]:
+    cmp = filecmp.dircmp(a, b, ignore=[".copier-answers.yml"])
+    found = []
+
+    def walk(c: filecmp.dircmp, prefix: str) -> None:
+        found.extend(prefix + n for n in c.left_only + c.right_only + c.diff_files)
+        for name, sub in c.subdirs.items():
+            walk(sub, f"{prefix}{name}/")
+
+    walk(cmp, "")
+    return found
+
+
+@pytest.fixture(scope="module")
+def base_render(tmp_path_factory) -> Path:
+    return render(tmp_path_factory.mktemp("base") / "p", BASE)
+
+
+@pytest.mark.parametrize("question", CHANGE)
+def test_answer_changes_the_render(tmp_path, base_render, question):
+    fixed, other = CHANGE[question]
+    before = render(tmp_path / "before", {**BASE, **fixed}) if fixed else base_render
+    after = render(tmp_path / "after", {**BASE, **fixed, question: other})
+    assert differences(before, after), f"answering {question}={other!r} changed nothing"

@@ -1,0 +1,63 @@
+"""Every render of the matrix is a clean, complete Python project."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import tomllib
+
+import pytest
+import yaml
+from answers import MATRIX
+
+BLOCKS = ["init_distributed", "build_model_meta", "build_optimizer", "train_step", "checkpoint_save", "checkpoint_load"]
+
+
+def text_files(root):
+    return [p for p in root.rglob("*") if p.is_file() and ".git" not in p.parts]
+
+
+@pytest.mark.parametrize("name", MATRIX)
+def test_render_compiles_and_is_ruff_clean(rendered, name):
+    root = rendered[name]
+    for path in root.rglob("*.py"):
+        compile(path.read_text(), str(path), "exec")  # raises SyntaxError with the location
+    for args in (["check", "."], ["format", "--check", "."]):
+        proc = subprocess.run([sys.executable, "-m", "ruff", *args], cwd=root, capture_output=True, text=True)
+        assert proc.returncode == 0, f"ruff {' '.join(args)}:\n{proc.stdout}{proc.stderr}"
+
+
+@pytest.mark.parametrize("name", MATRIX)
+def test_render_leaves_no_template_syntax(rendered, name):
+    for path in text_files(rendered[name]):
+        text = path.read_text(errors="ignore")
+        assert "{{" not in text and "{%" not in text, path
+        assert "{{" not in str(path) and "{%" not in str(path), path
+
+
+@pytest.mark.parametrize("name", MATRIX)
+def test_render_has_the_labelled_blocks_in_order(rendered, name):
+    package = yaml.safe_load((rendered[name] / ".copier-answers.yml").read_text())["package_name"]
+    tree = ast.parse((rendered[name] / "src" / package / "train.py").read_text())
+    functions = {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
+    assert set(BLOCKS) <= set(functions)
+    assert all(functions[b].end_lineno - functions[b].lineno < 60 for b in BLOCKS)
+    calls = [c.func.id for c in ast.walk(functions["main"]) if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)]
+    order = [calls.index(b) for b in ("init_distributed", "build_model_meta", "build_optimizer", "checkpoint_load", "train_step", "checkpoint_save")]
+    assert order == sorted(order)
+
+
+@pytest.mark.parametrize("name", MATRIX)
+def test_render_configs_parse_and_record_the_answers(rendered, name):
+    root = rendered[name]
+    answers = yaml.safe_load((root / ".copier-answers.yml").read_text())
+    for path in (root / "configs").glob("*.toml"):
+        cfg = tomllib.loads(path.read_text())
+        assert cfg["parallel"]["sharding"] == answers["sharding"]
+        assert cfg["parallel"]["mixed_precision"] == answers["mixed_precision"]
+        assert cfg["parallel"]["cpu_offload"] == answers["cpu_offload"]
+        assert cfg["dist"]["backend"] == answers["backend"]
+        assert cfg["hardware"]["gpus_per_node"] == answers["gpus_per_node"]
+    preset = root / "configs" / f"{answers['model_size']}.toml"
+    assert preset.is_file()
