@@ -11,14 +11,26 @@ MATRIX = {
     "cpu_debug": {"accelerator": "cpu", "model_size": "debug"},
     # Two Ampere nodes on Ethernet: hybrid sharding, tcp rendezvous, async checkpoints.
     "ampere_two_nodes_ethernet": {
-        "gpu_arch": "ampere", "num_nodes": 2, "inter_node_link": "ethernet", "model_size": "1b",
-        "sharding": "hybrid", "init_method": "tcp", "checkpoint_format": "dcp_async",
+        "gpu_arch": "ampere",
+        "num_nodes": 2,
+        "inter_node_link": "ethernet",
+        "model_size": "1b",
+        "sharding": "hybrid",
+        "init_method": "tcp",
+        "checkpoint_format": "dcp_async",
     },
     # Volta over PCIe: fp16 with loss scaling, full AC, shard_grad_op, file rendezvous.
     "volta_pcie_fp16": {
-        "gpu_arch": "volta", "gpus_per_node": 4, "gpu_memory_gb": 32, "intra_node_link": "pcie",
-        "model_size": "125m", "mixed_precision": "fp16", "activation_checkpointing": "full",
-        "sharding": "shard_grad_op", "compile": False, "init_method": "file",
+        "gpu_arch": "volta",
+        "gpus_per_node": 4,
+        "gpu_memory_gb": 32,
+        "intra_node_link": "pcie",
+        "model_size": "125m",
+        "mixed_precision": "fp16",
+        "activation_checkpointing": "full",
+        "sharding": "shard_grad_op",
+        "compile": False,
+        "init_method": "file",
     },
     "xpu": {"accelerator": "xpu", "gpus_per_node": 4, "model_size": "3b", "backend": "xccl"},
     # Four Blackwell nodes on InfiniBand, Llama 70B.
@@ -27,27 +39,56 @@ MATRIX = {
     "ada_offload": {"gpu_arch": "ada", "gpus_per_node": 2, "gpu_memory_gb": 48, "model_size": "8b"},
     # DDP over MPI on Turing (MPI lacks reduce_scatter, so only no_shard is allowed).
     "turing_mpi_ddp": {
-        "gpu_arch": "turing", "gpus_per_node": 2, "gpu_memory_gb": 16, "model_size": "debug",
-        "sharding": "no_shard", "backend": "mpi", "mixed_precision": "fp16",
+        "gpu_arch": "turing",
+        "gpus_per_node": 2,
+        "gpu_memory_gb": 16,
+        "model_size": "debug",
+        "sharding": "no_shard",
+        "backend": "mpi",
+        "mixed_precision": "fp16",
     },
     # CPU ranks: DDP in bf16 under autocast, compiled blocks, tcp rendezvous.
     "cpu_ddp_bf16_compile": {
-        "accelerator": "cpu", "model_size": "debug", "sharding": "no_shard", "mixed_precision": "bf16",
-        "compile": True, "init_method": "tcp",
+        "accelerator": "cpu",
+        "model_size": "debug",
+        "sharding": "no_shard",
+        "mixed_precision": "bf16",
+        "compile": True,
+        "init_method": "tcp",
     },
     # CPU ranks as two "nodes": hybrid, fp16, offload, full AC, async checkpoints, file rendezvous.
     "cpu_hybrid_fp16_offload": {
-        "accelerator": "cpu", "gpus_per_node": 1, "num_nodes": 2, "model_size": "debug", "sharding": "hybrid",
-        "mixed_precision": "fp16", "cpu_offload": True, "activation_checkpointing": "full",
-        "checkpoint_format": "dcp_async", "init_method": "file",
+        "accelerator": "cpu",
+        "gpus_per_node": 1,
+        "num_nodes": 2,
+        "model_size": "debug",
+        "sharding": "hybrid",
+        "mixed_precision": "fp16",
+        "cpu_offload": True,
+        "activation_checkpointing": "full",
+        "checkpoint_format": "dcp_async",
+        "init_method": "file",
     },
     # gloo on CUDA (slow but valid per the capability table).
-    "cuda_gloo": {"gpu_arch": "ampere", "gpus_per_node": 2, "model_size": "1b", "backend": "gloo", "sharding": "shard_grad_op"},
+    "cuda_gloo": {
+        "gpu_arch": "ampere",
+        "gpus_per_node": 2,
+        "model_size": "1b",
+        "backend": "gloo",
+        "sharding": "shard_grad_op",
+    },
 }
 
 # Renders whose generated test suite runs here (CPU, gloo), about a minute each: together they
 # cover every sharding mode, precision, AC mode, offload, compile, rendezvous and checkpoint
 # format. The rest differ only in values the CPU run does not reach (backend names, GPU sizes)
 # or, for turing_mpi_ddp, need an MPI build of PyTorch.
-SMOKE = ["default", "cpu_debug", "ampere_two_nodes_ethernet", "volta_pcie_fp16", "ada_offload",
-         "cpu_ddp_bf16_compile", "cpu_hybrid_fp16_offload"]
+SMOKE = [
+    "default",
+    "cpu_debug",
+    "ampere_two_nodes_ethernet",
+    "volta_pcie_fp16",
+    "ada_offload",
+    "cpu_ddp_bf16_compile",
+    "cpu_hybrid_fp16_offload",
+]

@@ -14,7 +14,16 @@ UNSAFE_KEYS = {"_tasks", "_migrations", "_jinja_extensions"}
 
 
 def git(cwd, *args: str) -> str:
-    env_args = ["-c", "user.name=t", "-c", "user.email=t@example.com", "-c", "commit.gpgsign=false", "-c", "tag.gpgsign=false"]
+    env_args = [
+        "-c",
+        "user.name=t",
+        "-c",
+        "user.email=t@example.com",
+        "-c",
+        "commit.gpgsign=false",
+        "-c",
+        "tag.gpgsign=false",
+    ]
     return subprocess.run(["git", *env_args, *args], cwd=cwd, check=True, capture_output=True, text=True).stdout
 
 

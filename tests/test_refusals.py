@@ -18,13 +18,19 @@ REFUSED = {
     "package_shadows_torch": ({"package_name": "torch"}, "package_name", "would shadow"),
     "project_name_with_space": ({"project_name": "my project"}, "project_name", "letters, digits"),
     "70b_on_one_small_gpu": (
-        {"gpus_per_node": 1, "gpu_memory_gb": 24, "model_size": "70b"}, "sharding", "GiB per GPU",
+        {"gpus_per_node": 1, "gpu_memory_gb": 24, "model_size": "70b"},
+        "sharding",
+        "GiB per GPU",
     ),
     "8b_ddp_does_not_fit": (
-        {"model_size": "8b", "sharding": "no_shard", "activation_checkpointing": "full"}, "sharding", "you have 80",
+        {"model_size": "8b", "sharding": "no_shard", "activation_checkpointing": "full"},
+        "sharding",
+        "you have 80",
     ),
     "offload_with_ddp": (
-        {"model_size": "debug", "sharding": "no_shard", "cpu_offload": True}, "cpu_offload", "needs a sharded mode",
+        {"model_size": "debug", "sharding": "no_shard", "cpu_offload": True},
+        "cpu_offload",
+        "needs a sharded mode",
     ),
     "no_gpus": ({"gpus_per_node": 0}, "gpus_per_node", "between 1 and 128"),
     "zero_gpu_memory": ({"gpu_memory_gb": 0}, "gpu_memory_gb", "between 1 and 1024"),
@@ -47,7 +53,10 @@ def test_refused_with_the_question_named_and_nothing_written(tmp_path, case):
 
 def test_memory_refusal_gives_the_numbers_and_a_plan_that_fits(tmp_path):
     with pytest.raises(ValueError) as refusal:
-        render(tmp_path / "p", {"model_size": "8b", "gpus_per_node": 8, "sharding": "no_shard", "activation_checkpointing": "none"})
+        render(
+            tmp_path / "p",
+            {"model_size": "8b", "gpus_per_node": 8, "sharding": "no_shard", "activation_checkpointing": "none"},
+        )
     message = str(refusal.value)
-    # e.g. "needs 190.3 GiB per GPU (states 119.7 GiB, ...), you have 80 ...: choose sharding=..."
+    # "needs 189.3 GiB per GPU (model state 119.7, ...); you have 80 GiB, ...: choose sharding=..."
     assert "needs" in message and "you have 80" in message and "choose sharding=" in message, message

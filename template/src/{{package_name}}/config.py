@@ -92,6 +92,8 @@ class ParallelConfig:
     """Keep sharded parameters, gradients and optimizer state in host memory (CPUOffloadPolicy)."""
     activation_checkpointing: Literal["none", "selective", "full"] = "none"
     """Recompute activations in backward: none, selective (keep matmul/attention outputs), full (keep block inputs)."""
+    grad_sync_every_microbatch: bool = False
+    """Reduce gradients after every micro-batch (more traffic, but they stay sharded) instead of only the last."""
     compile: bool = False
     """torch.compile each block (after activation checkpointing, before sharding)."""
     compile_backend: str = "inductor"

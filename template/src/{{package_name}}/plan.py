@@ -1,20 +1,340 @@
-"""The run-time side of the hardware plan (the memory model arrives with the planner)."""
+"""The per-rank memory and communication plan, from the live config.
+
+    python -m <package>.plan --config configs/<size>.toml
+
+prints what every sharding choice costs per rank and which one the config uses. At start-up
+the trainer checks the plan against the live world size and device memory (`check_plan`).
+
+The formulas are the template's hooks/plan.jinja, which chose the defaults at generation time;
+the template's tests check that both agree. For P parameters (Pb per block, Pn outside the
+blocks), L blocks, hidden size h, key/value width kv, SwiGLU width f, vocabulary V, compute
+dtype of p bytes and T = micro_batch_size * seq_len tokens, bytes per rank are:
+
+    params, grads, optim   4P, 4P and 8P over the G ranks of a shard group: fp32 parameters,
+                 gradients and AdamW's two moments (on the host with CPU offload). FSDP2 keeps
+                 sharded parameters in their original dtype: these are the fp32 master weights.
+    gathered     parameters all-gathered in the compute dtype: 2 Pb p + Pn p for full and hybrid
+                 (the running and the prefetched block, plus the embedding/head group), P p for
+                 shard_grad_op (nothing is freed until backward), P p for DDP under autocast.
+    gradbuf      Pb (p + 4): one block's unsharded gradient and its fp32 reduce-scatter input.
+    activations  T [L a + V (p + 12)], where the V term is the logits, their fp32 copy, the
+                 log-softmax output and its gradient, and a, the bytes autograd keeps per token
+                 per block (Korthikanti et al. 2022, https://arxiv.org/abs/2205.05198, redone for
+                 SwiGLU and fused attention, which stores no seq x seq scores), is
+                   none       16h + p (5h + 2kv + 4f)   each RMSNorm keeps its input and normalised
+                              output in fp32 (2 x 8h); then the norm outputs, q, k, v, attention
+                              output and its re-laid-out copy, w1, w3, silu and their product
+                   selective  p (5h + 2kv + 2f)   block input + every matmul and attention output
+                   full       p h                 block input, plus one block recomputed at a time
+                 (tests/test_plan.py measures these with torch's MemTracker.)
+
+The peak is params + optim + gathered + gradbuf + activations + the gradients alive during the
+forward pass: none with one micro-batch per step (zero_grad(set_to_none) frees them first);
+with accumulation the sharded 4P/G, or 4P when FSDP keeps unsharded fp32 gradients until the
+last micro-batch (gradient sync skipped, the default). A plan fits when its peak is at most 90%
+of device memory; the rest covers the CUDA context, NCCL buffers and allocator fragmentation,
+which `max_memory_allocated` does not count.
+"""
 
 from __future__ import annotations
 
+import argparse
+import json
+import logging
+from dataclasses import asdict, dataclass
+
 import torch
 
-from .config import Config
+from .config import Config, ModelConfig, load_config
+
+logger = logging.getLogger(__name__)
+
+HEADROOM = 0.9
+GIB = 2**30
+SHARDINGS = ("no_shard", "shard_grad_op", "full", "hybrid")
+AC_MODES = ("none", "selective", "full")
+# Effective per-GPU bandwidth of each link in GB/s, for ring collectives (rough, conservative).
+LINK_GBPS = {"nvlink": 150.0, "pcie": 16.0, "infiniband": 25.0, "ethernet": 3.0, "": 150.0}
+# Dense bf16 peak TFLOP/s by generation, for the compute side of the communication estimate.
+ARCH_TFLOPS = {"blackwell": 2250.0, "hopper": 989.0, "ada": 362.0, "ampere": 312.0, "turing": 65.0, "volta": 125.0}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    P: int
+    Pb: int
+    Pn: int
+    L: int
+    h: int
+    kv: int
+    f: int
+    V: int
+
+    @classmethod
+    def of(cls, m: ModelConfig) -> ModelShape:
+        kv = m.n_kv_heads * (m.dim // m.n_heads)
+        block = 2 * m.dim * m.dim + 2 * m.dim * kv + 3 * m.dim * m.ffn_hidden_dim + 2 * m.dim
+        outside = m.vocab_size * m.dim * (1 if m.tie_embeddings else 2) + m.dim
+        return cls(block * m.n_layers + outside, block, outside, m.n_layers, m.dim, kv, m.ffn_hidden_dim, m.vocab_size)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    params: float
+    grads: float
+    optim: float
+    grads_live: float
+    """Gradient bytes alive during the forward pass (accumulation only)."""
+    gathered: float
+    gradbuf: float
+    activations: float
+    host: float
+    """Bytes kept in host memory by CPU offload."""
+
+    @property
+    def total(self) -> float:
+        """Peak bytes on the device."""
+        resident = 0 if self.host else self.params + self.optim
+        return resident + self.grads_live + self.gathered + self.gradbuf + self.activations
+
+    def fits(self, gpu_memory_gb: float) -> bool:
+        return self.total <= HEADROOM * gpu_memory_gb * GIB
+
+
+def shard_group(sharding: str, gpus_per_node: int, num_nodes: int) -> int:
+    """Ranks that share one copy of the model state."""
+    return {"hybrid": gpus_per_node, "no_shard": 1}.get(sharding, gpus_per_node * num_nodes)
+
+
+def memory_plan(
+    s: ModelShape, *, seq_len: int, micro_batch_size: int, precision: str, ac: str, sharding: str,
+    cpu_offload: bool, gpus_per_node: int, num_nodes: int, grad_accum: int = 1, sync_every_microbatch: bool = False,
+) -> MemoryPlan:  # fmt: skip
+    """Bytes per rank of each term (see the module docstring)."""
+    p = 4 if precision == "fp32" else 2
+    group = shard_group(sharding, gpus_per_node, num_nodes)
+    params, grads, optim = 4 * s.P / group, 4 * s.P / group, 8 * s.P / group
+    if grad_accum == 1 or (cpu_offload and (sync_every_microbatch or sharding == "hybrid")):
+        grads_live = 0
+    elif sharding in ("no_shard", "hybrid") or sync_every_microbatch:
+        grads_live = grads
+    else:
+        grads_live = 4 * s.P  # FSDP accumulates unsharded fp32 gradients while sync is off
+    if sharding == "shard_grad_op":
+        gathered = s.P * p
+    elif sharding == "no_shard":
+        gathered = s.P * p if p < 4 else 0
+    else:
+        gathered = 2 * s.Pb * p + s.Pn * p
+    gradbuf = 0 if sharding == "no_shard" else s.Pb * (p + 4)
+    full_layer = activation_bytes_per_token(s, precision, "none")
+    tokens = seq_len * micro_batch_size
+    extra = full_layer if ac == "full" else 0  # the one block being recomputed in backward
+    activations = tokens * (s.L * activation_bytes_per_token(s, precision, ac) + s.V * (p + 12) + extra)
+    host = params + grads + optim if cpu_offload else 0
+    return MemoryPlan(params, grads, optim, grads_live, gathered, gradbuf, activations, host)
+
+
+def activation_bytes_per_token(s: ModelShape, precision: str, ac: str) -> int:
+    """Bytes one block keeps for backward, per token (the `a` of the module docstring)."""
+    p = 4 if precision == "fp32" else 2
+    if ac == "none":
+        return 16 * s.h + p * (5 * s.h + 2 * s.kv + 4 * s.f)
+    if ac == "selective":
+        return p * (5 * s.h + 2 * s.kv + 2 * s.f)
+    return p * s.h
+
+
+def sharding_candidates(num_nodes: int, inter_node_link: str) -> tuple[str, ...]:
+    """Least communication first; hybrid ahead of full when the link between nodes is slow."""
+    if num_nodes > 1 and inter_node_link == "ethernet":
+        return ("no_shard", "shard_grad_op", "hybrid", "full")
+    if num_nodes > 1:
+        return ("no_shard", "shard_grad_op", "full", "hybrid")
+    return ("no_shard", "shard_grad_op", "full")
+
+
+def grad_accum(cfg: Config) -> int:
+    """Micro-batches per step on the planned world size (1 when the batch does not split)."""
+    world = cfg.hardware.gpus_per_node * cfg.hardware.num_nodes
+    return max(cfg.train.global_batch_size // (cfg.train.micro_batch_size * world), 1)
+
+
+def plan_for(
+    cfg: Config, *, sharding: str | None = None, cpu_offload: bool | None = None, ac: str | None = None
+) -> MemoryPlan:
+    """The memory plan of `cfg` on its planned hardware, optionally with other choices."""
+    p, hw, t = cfg.parallel, cfg.hardware, cfg.train
+    return memory_plan(
+        ModelShape.of(cfg.model), seq_len=t.seq_len, micro_batch_size=t.micro_batch_size,
+        precision=p.mixed_precision, ac=ac or p.activation_checkpointing, sharding=sharding or p.sharding,
+        cpu_offload=p.cpu_offload if cpu_offload is None else cpu_offload,
+        gpus_per_node=hw.gpus_per_node, num_nodes=hw.num_nodes,
+        grad_accum=grad_accum(cfg), sync_every_microbatch=p.grad_sync_every_microbatch,
+    )  # fmt: skip
+
+
+def recommend(cfg: Config) -> tuple[str, str, bool]:
+    """The cheapest (activation checkpointing, sharding, offload) that fits the device.
+
+    Sharding harder is tried before recomputing (recomputation costs every step), and CPU
+    offload only when nothing else fits.
+    """
+    hw = cfg.hardware
+    if hw.accelerator == "cpu":
+        return "none", "full", False
+    for offload in (False, True):
+        for ac in AC_MODES:
+            for sharding in sharding_candidates(hw.num_nodes, hw.inter_node_link):
+                if offload and sharding == "no_shard":
+                    continue
+                if plan_for(cfg, sharding=sharding, cpu_offload=offload, ac=ac).fits(hw.gpu_memory_gb):
+                    return ac, sharding, offload
+    return "full", "full", True
+
+
+def communication_bytes(s: ModelShape, sharding: str, precision: str, gpus_per_node: int, num_nodes: int) -> dict:
+    """Bytes each rank sends per optimizer step, within a node and across nodes (ring collectives).
+
+    full and hybrid gather parameters twice (forward and backward) and reduce-scatter fp32
+    gradients once; shard_grad_op gathers once; DDP all-reduces fp32 gradients (2x the data).
+    """
+    p = 4 if precision == "fp32" else 2
+    world = gpus_per_node * num_nodes
+    if sharding == "no_shard":
+        volume, group = 2 * s.P * 4, world
+    elif sharding == "shard_grad_op":
+        volume, group = s.P * (p + 4), world
+    else:
+        volume, group = s.P * (2 * p + 4), (gpus_per_node if sharding == "hybrid" else world)
+    sent = volume * (group - 1) / group
+    if sharding == "hybrid":  # plus the all-reduce of each shard across the nodes
+        return {"intra": sent, "inter": 2 * (s.P / gpus_per_node) * 4 * (num_nodes - 1) / num_nodes}
+    return {"intra": sent if num_nodes == 1 else 0.0, "inter": sent if num_nodes > 1 else 0.0}
+
+
+def step_seconds(s: ModelShape, cfg: Config, sharding: str) -> tuple[float, float]:
+    """(compute, communication) seconds per step, assuming 40% MFU and the link speeds above."""
+    hw, t = cfg.hardware, cfg.train
+    world = hw.gpus_per_node * hw.num_nodes
+    tokens_per_rank = t.global_batch_size * t.seq_len / world
+    compute = 6 * s.P * tokens_per_rank / (0.4 * ARCH_TFLOPS.get(hw.gpu_arch, 312.0) * 1e12)
+    sent = communication_bytes(s, sharding, cfg.parallel.mixed_precision, hw.gpus_per_node, hw.num_nodes)
+    comm = sent["intra"] / (LINK_GBPS[hw.intra_node_link] * 1e9) + sent["inter"] / (LINK_GBPS[hw.inter_node_link] * 1e9)
+    return compute, comm
+
+
+def device_memory_gb(device: torch.device) -> float | None:
+    """Total memory of the live device in GiB; None on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory / GIB
+    if device.type == "xpu":
+        return torch.xpu.get_device_properties(device).total_memory / GIB
+    return None
 
 
 def check_plan(cfg: Config, world_size: int, device: torch.device) -> None:
-    """Refuse to start when the live job contradicts the plan the repo was generated with."""
+    """Refuse to start when the live job contradicts the plan the repo was generated with.
+
+    Applies when the run is on the planned kind of device and `hardware.enforce` is set (the
+    preset configs); the debug config and CPU fallbacks only log the plan.
+    """
     hw = cfg.hardware
-    if not hw.enforce or device.type != hw.accelerator:
-        return
     planned = hw.gpus_per_node * hw.num_nodes
+    if device.type != hw.accelerator:
+        logger.info("running on %s, not the planned %s: the hardware plan is not checked", device.type, hw.accelerator)
+        return
+    problems = []
     if world_size != planned:
-        raise ValueError(
-            f"launched on {world_size} ranks but the plan is for {planned} ({hw.num_nodes} node(s) x "
-            f"{hw.gpus_per_node}); launch {planned} ranks, or re-plan with `python -m <package>.plan --detect`"
+        problems.append(
+            f"launched on {world_size} ranks but the plan is for {planned} "
+            f"({hw.num_nodes} node(s) x {hw.gpus_per_node})"
         )
+    live = device_memory_gb(device)
+    plan = plan_for(cfg)
+    if live is not None and not plan.fits(live):
+        problems.append(
+            f"the plan needs {plan.total / GIB:.1f} GiB per device and this {device.type} has {live:.1f} GiB "
+            f"({HEADROOM:.0%} usable)"
+        )
+    if problems and hw.enforce:
+        raise ValueError(
+            "; ".join(problems) + ". Launch the planned world size, or re-plan for this machine: "
+            "`python -m <package>.plan --config <file>` shows every option, and "
+            "`copier update --defaults -d gpus_per_node=N -d gpu_memory_gb=M` regenerates the configs "
+            "(or set hardware.enforce = false to run anyway)"
+        )
+    for problem in problems:
+        logger.warning("%s (hardware.enforce is off: continuing)", problem)
+
+
+def format_table(cfg: Config) -> str:
+    """Per-rank memory and per-step communication of every sharding choice for this config."""
+    s, hw, p = ModelShape.of(cfg.model), cfg.hardware, cfg.parallel
+    unit, unit_name = (GIB, "GiB") if plan_for(cfg, sharding="no_shard").total >= GIB else (2**20, "MiB")
+    widths = (15, 8, 11, 7, 10, 8, 10, 6, 8, 13)
+
+    def line(*values) -> str:
+        return "".join(
+            f"{v:<{w}}" if i in (0, 7) else f"{v:>{w}}" for i, (v, w) in enumerate(zip(values, widths, strict=True))
+        )
+
+    rows = [
+        f"{cfg.model.preset}: {s.P / 1e9:.2f}B parameters; per rank {cfg.train.micro_batch_size} x {cfg.train.seq_len} "
+        f"tokens x {grad_accum(cfg)} micro-batch(es); {p.mixed_precision}; activation checkpointing "
+        f"{p.activation_checkpointing}",
+        f"hardware: {hw.num_nodes} node(s) x {hw.gpus_per_node} {hw.accelerator}"
+        + (f", {hw.gpu_memory_gb:g} GiB each ({HEADROOM * hw.gpu_memory_gb:.1f} usable)" if hw.gpu_memory_gb else ""),
+        "",
+        line(
+            "sharding",
+            "offload",
+            "params+opt",
+            "grads",
+            "gathered",
+            "activ.",
+            f"peak {unit_name}",
+            "  fits",
+            "comm GB",
+            "comm/compute",
+        ),  # fmt: skip
+    ]
+    for sharding in [x for x in SHARDINGS if x != "hybrid" or hw.num_nodes > 1]:
+        for offload in (False, True) if sharding != "no_shard" else (False,):
+            m = plan_for(cfg, sharding=sharding, cpu_offload=offload)
+            compute, comm = step_seconds(s, cfg, sharding)
+            sent = sum(communication_bytes(s, sharding, p.mixed_precision, hw.gpus_per_node, hw.num_nodes).values())
+            fits = "yes" if not hw.gpu_memory_gb or m.fits(hw.gpu_memory_gb) else "no"
+            resident = 0 if offload else m.params + m.optim
+            sizes = [
+                f"{b / unit:.1f}" for b in (resident, m.grads_live, m.gathered + m.gradbuf, m.activations, m.total)
+            ]
+            chosen = "   <- this config" if (sharding, offload) == (p.sharding, p.cpu_offload) else ""
+            row = line(
+                sharding, "yes" if offload else "no", *sizes, f"  {fits}", f"{sent / 1e9:.1f}", f"{comm / compute:.2f}"
+            )
+            rows.append(row + chosen)
+    ac, sharding, offload = recommend(cfg)
+    rows += [
+        "",
+        f"planner's choice: sharding={sharding}, activation_checkpointing={ac}, cpu_offload={offload}",
+        "comm/compute: estimated communication time over compute time per step (40% MFU); above 1, FSDP cannot "
+        "hide the communication behind compute",
+    ]
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], add_help=False)
+    parser.add_argument("--json", action="store_true", help="print the chosen plan as JSON")
+    args, rest = parser.parse_known_args(argv)
+    cfg = load_config(rest)
+    if args.json:
+        plan = plan_for(cfg)
+        print(json.dumps({**asdict(plan), "total": plan.total}))
+    else:
+        print(format_table(cfg))
+
+
+if __name__ == "__main__":
+    main()

@@ -123,6 +123,8 @@ def build_optimizer(cfg: Config, model: nn.Module):
 class StepContext:
     hsdp: bool
     """Accumulate by skipping only the all-reduce across replicas."""
+    sync_every_microbatch: bool
+    """Reduce gradients after every micro-batch rather than only the last."""
     autocast_dtype: torch.dtype | None
     """DDP computes in low precision under autocast; FSDP casts through its MixedPrecisionPolicy."""
     scaler: torch.amp.GradScaler | None
@@ -137,6 +139,8 @@ class StepResult:
     """This rank's mean loss over its micro-batches (a detached scalar on the device)."""
     grad_norm: float
     """Global gradient norm before clipping."""
+    lr: float
+    """Learning rate the step used."""
 
 
 def train_step(model: nn.Module, optimizer, scheduler, micro_batches, ctx: StepContext) -> StepResult:
@@ -145,7 +149,7 @@ def train_step(model: nn.Module, optimizer, scheduler, micro_batches, ctx: StepC
     for i, (inputs, targets) in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
         autocast = torch.autocast(ctx.device.type, ctx.autocast_dtype) if ctx.autocast_dtype else nullcontext()
-        with gradient_sync(model, last, hsdp=ctx.hsdp), autocast:
+        with gradient_sync(model, last or ctx.sync_every_microbatch, hsdp=ctx.hsdp), autocast:
             logits = model(inputs)  # model(x), never model.forward(x): FSDP hooks live in __call__
             # Each micro-batch contributes mean/len, so the sum is this rank's mean; FSDP and DDP
             # average over ranks, so gradients are those of the global-batch mean.
@@ -163,6 +167,7 @@ def train_step(model: nn.Module, optimizer, scheduler, micro_batches, ctx: StepC
             f"non-finite loss or gradient (grad norm {grad_norm}) at step {scheduler.last_epoch + 1}; refusing "
             "to update the weights. Lower train.lr, raise train.warmup_steps, or check the data"
         )
+    lr = optimizer.param_groups[0]["lr"]
     if ctx.scaler:
         ctx.scaler.step(optimizer)  # skipped when the scaled gradients overflowed
         ctx.scaler.update()
@@ -170,7 +175,7 @@ def train_step(model: nn.Module, optimizer, scheduler, micro_batches, ctx: StepC
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     scheduler.step()
-    return StepResult(loss_sum, grad_norm)
+    return StepResult(loss_sum, grad_norm, lr)
 
 
 def checkpoint_load(ckpt: CheckpointManager, state: TrainState, path: Path | None) -> int:
@@ -193,6 +198,7 @@ def build_step_context(cfg: Config, env: DistEnv) -> StepContext:
     low_precision = DTYPES[p.mixed_precision] if p.mixed_precision != "fp32" else None
     return StepContext(
         hsdp=p.sharding == "hybrid",
+        sync_every_microbatch=p.grad_sync_every_microbatch,
         autocast_dtype=low_precision if p.sharding == "no_shard" else None,
         scaler=torch.amp.GradScaler(env.device.type) if p.mixed_precision == "fp16" else None,
         max_grad_norm=cfg.train.max_grad_norm,
@@ -237,7 +243,7 @@ def main(argv: list[str] | None = None) -> None:
                 step += 1
                 result = train_step(model, optimizer, scheduler, loader.next_batches(), ctx)
                 if metrics.should_log(step):
-                    metrics.log(step, mean_across_ranks(result.loss), result.grad_norm, scheduler.get_last_lr()[0])
+                    metrics.log(step, mean_across_ranks(result.loss), result.grad_norm, result.lr)
                 if step == start + 1:
                     set_collective_timeout(cfg.dist.train_timeout_s)
                 job_done = step - start == cfg.train.stop_after_steps or any_rank(stop.requested, env.device)
