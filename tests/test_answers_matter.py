@@ -16,7 +16,7 @@ BASE = {
     "inter_node_link": "infiniband", "model_type": "llama", "model_size": "1b", "seq_len": 4096,
     "micro_batch_size": 2, "mixed_precision": "bf16", "activation_checkpointing": "none", "sharding": "full",
     "cpu_offload": False, "compile": True, "backend": "nccl", "init_method": "env", "checkpoint_format": "dcp",
-    "checkpoint_interval": 500,
+    "checkpoint_interval": 500, "checkpoint_keep_last": 3, "checkpoint_export": "hf", "resume": "auto",
 }  # fmt: skip
 # question -> (answers that must differ from BASE for the change to be valid, the other answer)
 CHANGE = {
@@ -41,6 +41,9 @@ CHANGE = {
     "init_method": ({}, "tcp"),
     "checkpoint_format": ({}, "dcp_async"),
     "checkpoint_interval": ({}, 100),
+    "checkpoint_keep_last": ({}, 5),
+    "checkpoint_export": ({}, "safetensors"),
+    "resume": ({}, "never"),
 }
 
 

@@ -1,4 +1,4 @@
-"""Run each generated repo's own test suite (smoke test and FSDP2 rules) on CPU ranks."""
+"""Run the generated repos' own tests on CPU ranks: smoke test, FSDP2 rules, plan, checkpoints, crashes."""
 
 from __future__ import annotations
 
@@ -7,26 +7,49 @@ import subprocess
 import sys
 
 import pytest
-from answers import MATRIX, SMOKE
+import yaml
+from answers import FAULTS, FULL, SMOKE
+
+RUN_ON_CPU = {
+    "sharding": {"full", "shard_grad_op", "hybrid", "no_shard"},
+    "mixed_precision": {"bf16", "fp16", "fp32"},
+    "activation_checkpointing": {"none", "selective", "full"},
+    "cpu_offload": {True, False},
+    "compile": {True, False},
+    "init_method": {"env", "tcp", "file"},
+    "checkpoint_format": {"dcp", "dcp_async"},
+}
 
 
-def test_smoke_subset_covers_the_matrix_choices():
-    # The subset must still exercise every parallelism choice that changes what runs on CPU.
-    for question in ("sharding", "mixed_precision", "activation_checkpointing", "cpu_offload", "compile",
-                     "init_method", "checkpoint_format"):  # fmt: skip
-        seen = set()
-        for name in SMOKE:
-            seen.add(MATRIX[name].get(question, "<default>"))
-        assert len(seen) > 1, question
+def test_smoke_renders_cover_every_choice_that_runs_on_cpu(rendered):
+    answers = [yaml.safe_load((rendered[name] / ".copier-answers.yml").read_text()) for name in SMOKE]
+    for question, choices in RUN_ON_CPU.items():
+        assert {a[question] for a in answers} == choices, question
+
+
+SMOKE_FILES = ["tests/test_smoke.py", "tests/test_fsdp_rules.py", "tests/test_plan.py"]
+
+
+def run_generated(root, *args: str) -> str:
+    env = {**os.environ, "PYTHONPATH": str(root / "src")}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args]
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert " passed" in proc.stdout and "failed" not in proc.stdout
+    return proc.stdout
 
 
 @pytest.mark.parametrize("name", SMOKE)
-def test_generated_suite_passes(rendered, name):
-    root = rendered[name]
-    env = {**os.environ, "PYTHONPATH": str(root / "src")}
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"],
-        cwd=root, env=env, capture_output=True, text=True, timeout=1500,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert " passed" in proc.stdout and "failed" not in proc.stdout
+def test_generated_smoke_rules_and_plan(rendered, name):
+    run_generated(rendered[name], *SMOKE_FILES)
+
+
+@pytest.mark.parametrize("name", FULL)
+def test_generated_checkpoints_and_errors(rendered, name):
+    run_generated(rendered[name], "tests", *(f"--ignore={f}" for f in SMOKE_FILES))
+
+
+@pytest.mark.parametrize("name", FAULTS)
+def test_generated_crash_recovery(rendered, name):
+    out = run_generated(rendered[name], "-m", "faults", "tests/test_faults.py")
+    assert "10 passed" in out

@@ -132,7 +132,9 @@ class CheckpointManager:
         if self.cfg.resume == "never":
             return None
         if self.cfg.resume == "auto":
-            newest = self.complete_checkpoints()
+            newest = self.complete_checkpoints()  # warns about each incomplete or damaged one
+            if self.root.is_dir():
+                self._clear_debris()
             return str(newest[0]) if newest else None
         problem = verify(Path(self.cfg.resume))
         if problem:
@@ -143,6 +145,15 @@ class CheckpointManager:
 
     def save(self, state: TrainState, step: int) -> None:
         """Write a checkpoint of `state` at `step`; async mode returns once the state is staged."""
+        started = time.perf_counter()
+        self._save(state, step)
+        if self.rank == 0:
+            # How long the training loop waited: the figure to watch when choosing dcp_async.
+            event = {"step": step, "format": self.cfg.format, "blocked_s": time.perf_counter() - started}
+            with (self.root / "events.jsonl").open("a") as f:
+                f.write(json.dumps(event) + "\n")
+
+    def _save(self, state: TrainState, step: int) -> None:
         self.wait()
         target = self.root / f"step_{step:08d}"
         token = [None]
@@ -182,12 +193,20 @@ class CheckpointManager:
         self._purge(keep=target)
 
     def _purge(self, keep: Path) -> None:
-        """Delete checkpoints beyond keep_last and abandoned partial directories."""
+        """Delete checkpoints beyond keep_last, and what crashed saves or deletions left behind."""
         complete = [p for p in self.complete_checkpoints() if p != keep]
         for old in complete[self.cfg.keep_last - 1 :]:
             _remove(old)
-        for partial in self.root.glob("step_*.partial-*"):
-            _remove(partial)
+        self._clear_debris()
+
+    def _clear_debris(self) -> None:
+        """Remove partial directories and marker-less ones (a deletion that was interrupted).
+
+        Neither can be loaded: saves write into `.partial-*` and rename only after the marker.
+        """
+        for path in self.root.glob("step_*"):
+            if path.is_dir() and (".partial" in path.name or not (path / MARKER).exists()):
+                _remove(path)
 
     # -- loading --------------------------------------------------------------------------------
 

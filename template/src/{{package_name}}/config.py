@@ -122,6 +122,10 @@ class CheckpointConfig:
     """Complete checkpoints to keep; older ones are deleted only after a newer one is complete."""
     resume: str = "auto"
     """auto (newest complete checkpoint in the run dir), never, or a checkpoint directory."""
+    export: Literal["none", "safetensors", "hf"] = "none"
+    """At the end of the run write the weights to <run_dir>/export: safetensors, or a Hugging Face directory."""
+    init_from: str = ""
+    """Start from these weights (a .safetensors file or a Hugging Face directory) instead of a random init."""
 
 
 @dataclass

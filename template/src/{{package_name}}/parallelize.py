@@ -96,25 +96,20 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig) -> None:
     shard(model)
 
 
-def init_weights_from_rank0(model: nn.Module, build_reference: Callable[[], nn.Module], seed: int) -> None:
-    """Initialise a full copy on rank 0's CPU and broadcast it into the (sharded) model.
+def init_weights_from_rank0(model: nn.Module, full_state: Callable[[], dict[str, torch.Tensor]]) -> None:
+    """Load the full weights `full_state()` builds on rank 0 into the (sharded) model on every rank.
 
     The weights are then the same at any world size: DTensor random init depends on the
     sharding, and on a CPU mesh it even repeats one shard on every rank. This is the FSDP2
     replacement for FSDP1's sync_module_states.
     """
-    full_state = {}
-    if dist.get_rank() == 0:
-        with torch.device("cpu"):
-            reference = build_reference()
-        reference.init_weights(torch.Generator().manual_seed(seed))
-        full_state = reference.state_dict()
+    state = full_state() if dist.get_rank() == 0 else {}
     if isinstance(model, FSDPModule):
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-        set_model_state_dict(model, full_state, options=options)
+        set_model_state_dict(model, state, options=options)
     elif dist.get_rank() == 0:
         # Not yet wrapped in DDP: its constructor broadcasts rank 0's parameters and buffers.
-        model.load_state_dict(full_state)
+        model.load_state_dict(state)
 
 
 def wrap_ddp(model: nn.Module, device: torch.device) -> DistributedDataParallel:

@@ -51,6 +51,7 @@ from .parallelize import (
     wrap_ddp,
 )
 from .plan import check_plan
+from .weights import export_weights, initial_state
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +88,7 @@ def build_model_meta(cfg: Config, env: DistEnv, *, init_weights: bool) -> nn.Mod
     model.to_empty(device=env.device)
     model.tie_weights()
     if init_weights:  # a resumed run gets its weights from the checkpoint instead
-        init_weights_from_rank0(model, lambda: build_model(cfg.model), cfg.train.seed)
+        init_weights_from_rank0(model, lambda: initial_state(cfg))
     # Non-persistent buffers are neither broadcast nor checkpointed: every rank recomputes them.
     model.init_buffers()
     if p.sharding == "no_shard":
@@ -246,11 +247,15 @@ def main(argv: list[str] | None = None) -> None:
                     metrics.log(step, mean_across_ranks(result.loss), result.grad_norm, result.lr)
                 if step == start + 1:
                     set_collective_timeout(cfg.dist.train_timeout_s)
-                job_done = step - start == cfg.train.stop_after_steps or any_rank(stop.requested, env.device)
+                preempted = any_rank(stop.requested, env.device)
+                job_done = preempted or step - start == cfg.train.stop_after_steps
                 checkpoint_save(ckpt, state, step, final=job_done or step == cfg.train.steps)
                 if job_done:
-                    logger.info("stopping after step %d (%s); resume with the same command", step, stop.reason)
+                    why = "preemption signal" if preempted else "train.stop_after_steps"
+                    logger.info("stopping after step %d (%s); resume with the same command", step, why)
                     break
+        if step == cfg.train.steps and cfg.checkpoint.export != "none":
+            export_weights(model, cfg, Path(cfg.run_dir) / "export", env.is_main)
         ckpt.close()
         metrics.close()
         any_rank(False, env.device)  # no rank tears down while another is still communicating

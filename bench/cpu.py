@@ -1,0 +1,151 @@
+"""CPU benchmarks of a rendered project, each a ratio measured side by side in this one run.
+
+    python bench/cpu.py            # about 5 minutes on 2 cores; prints a Markdown table
+
+1. Step time: the generated trainer at world size 1 (torchrun, FSDP2 on one rank, gloo) over a
+   plain single-process PyTorch loop (same model class, batch, AdamW and clipping).
+2. Model-state bytes: parameters + gradients + AdamW state held by one of 2 ranks, measured,
+   over the ideal 16 P / N.
+3. Checkpoint blocking: how long the loop waits for an async save over a synchronous one.
+4. Rendering a project, and the generated smoke test, in seconds.
+
+Timings vary with the machine; the ratios are what the README records.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import copier
+
+ROOT = Path(__file__).resolve().parents[1]
+# A model big enough that per-step overheads show, small enough for a 2-core CI box.
+MEDIUM = ["--model.dim", "512", "--model.n_layers", "6", "--model.n_heads", "8", "--model.n_kv_heads", "4",
+          "--model.ffn_hidden_dim", "1536", "--model.vocab_size", "8192", "--model.max_seq_len", "256",
+          "--train.seq_len", "256", "--train.micro_batch_size", "4", "--train.global_batch_size", "4"]  # fmt: skip
+
+
+def render(dst: Path, answers: dict) -> float:
+    started = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        copier.run_copy(str(ROOT), str(dst), data=answers, defaults=True, unsafe=False, settings=copier.Settings(),
+                        vcs_ref="HEAD", quiet=True)  # fmt: skip
+    return time.perf_counter() - started
+
+
+def env_for(project: Path) -> dict:
+    return {**os.environ, "PYTHONPATH": f"{project / 'src'}:{project / 'tests'}", "OMP_NUM_THREADS": "1"}
+
+
+def train(project: Path, run: Path, nproc: int, *overrides: str) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "-m", "bench_pkg.train", "--config", str(project / "configs" / "debug.toml"), "--device", "cpu",
+           "--run_dir", str(run), "--metrics.progress_bar", "False", *MEDIUM, *overrides]  # fmt: skip
+    subprocess.run(cmd, cwd=project, env=env_for(project), check=True, capture_output=True)
+
+
+def trainer_step_seconds(project: Path, run: Path, steps: int) -> float:
+    train(project, run, 1, "--train.steps", str(steps), "--train.warmup_steps", "1", "--checkpoint.interval", "100000")
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return statistics.median(r["step_time_s"] for r in records[3:])  # skip warm-up steps
+
+
+PLAIN_LOOP = """
+import statistics, sys, time, torch
+import torch.nn.functional as F
+from bench_pkg.config import load_config
+from bench_pkg.data import build_loader
+from bench_pkg.models import build_model
+
+cfg = load_config(sys.argv[1:])
+model = build_model(cfg.model)
+model.init_weights(torch.Generator().manual_seed(0))
+optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, betas=cfg.train.betas)
+loader = build_loader(cfg, 0, 1, torch.device("cpu"))
+times = []
+for _ in range(cfg.train.steps):
+    started = time.perf_counter()
+    for inputs, targets in loader.next_batches():
+        loss = F.cross_entropy(model(inputs).flatten(0, 1).float(), targets.flatten())
+        loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    times.append(time.perf_counter() - started)
+print(statistics.median(times[3:]))
+"""
+
+
+def plain_step_seconds(project: Path, steps: int) -> float:
+    cmd = [sys.executable, "-c", PLAIN_LOOP, "--config", str(project / "configs" / "debug.toml"), *MEDIUM,
+           "--train.steps", str(steps)]  # fmt: skip
+    out = subprocess.run(cmd, cwd=project, env=env_for(project), check=True, capture_output=True, text=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def state_bytes_ratio(project: Path, run: Path) -> float:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "fsdp_probe",
+           "--config", str(project / "configs" / "debug.toml"), "--device", "cpu", "--run_dir", str(run),
+           "--train.micro_batch_size", "2"]  # fmt: skip
+    run.mkdir(parents=True, exist_ok=True)
+    subprocess.run(cmd, cwd=project, env=env_for(project), check=True, capture_output=True)
+    report = json.loads((run / "probe_rank0.json").read_text())
+    sys.path.insert(0, str(project / "src"))
+    from bench_pkg.config import load_config
+    from bench_pkg.plan import ModelShape
+
+    n_params = ModelShape.of(load_config(["--config", str(project / "configs" / "debug.toml")]).model).P
+    return report["state_bytes"] / (16 * n_params / 2)
+
+
+def checkpoint_blocked_seconds(project: Path, run: Path, fmt: str) -> float:
+    train(project, run, 2, "--train.steps", "12", "--train.warmup_steps", "1", "--checkpoint.interval", "3",
+          "--checkpoint.format", fmt)  # fmt: skip
+    events = [json.loads(line) for line in (run / "checkpoints" / "events.jsonl").read_text().splitlines()]
+    return statistics.median(e["blocked_s"] for e in events[:-1])  # the final save also waits for the last write
+
+
+def smoke_seconds(project: Path) -> float:
+    started = time.perf_counter()
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_smoke.py"]
+    subprocess.run(cmd, cwd=project, env=env_for(project), check=True, capture_output=True)
+    return time.perf_counter() - started
+
+
+def main() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        render_s = render(tmp / "default", {})
+        project = tmp / "cpu"
+        render(project, {"accelerator": "cpu", "model_size": "debug", "package_name": "bench_pkg"})
+        trainer = trainer_step_seconds(project, tmp / "trainer", 15)
+        plain = plain_step_seconds(project, 15)
+        state = state_bytes_ratio(project, tmp / "probe")
+        sync = checkpoint_blocked_seconds(project, tmp / "sync", "dcp")
+        async_ = checkpoint_blocked_seconds(project, tmp / "async", "dcp_async")
+        smoke = smoke_seconds(project)
+    rows = [
+        ("trainer step time at world size 1 / plain PyTorch loop", f"{trainer / plain:.3f}",
+         f"{trainer * 1e3:.0f} ms / {plain * 1e3:.0f} ms", "<= 1.10"),
+        ("model-state bytes per rank at world size 2 / ideal 16P/N", f"{state:.3f}", "", "<= 1.02"),
+        ("loop blocked by an async save / by a sync save", f"{async_ / sync:.3f}",
+         f"{async_ * 1e3:.0f} ms / {sync * 1e3:.0f} ms", "< 1"),
+        ("render the default project", f"{render_s:.1f} s", "", ""),
+        ("generated smoke test (tests/test_smoke.py)", f"{smoke:.0f} s", "", "about a minute"),
+    ]  # fmt: skip
+    print("| measurement | ratio or time | raw | goal |\n| --- | ---: | ---: | --- |")
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""The generated PLAN.md is specific to the answers, and every link in the generated docs is well formed."""
+
+from __future__ import annotations
+
+import re
+from urllib.parse import urlparse
+
+import pytest
+from answers import MATRIX
+
+DOCS = ["PLAN.md", "TROUBLESHOOTING.md", "FSDP1_TO_FSDP2.md", "README.md"]
+HOSTS = {"docs.pytorch.org", "arxiv.org", "github.com"}
+DECISIONS = ["Memory per rank", "Sharding", "reshard_after_forward", "Mixed precision", "CPU offload",
+             "Activation checkpointing", "torch.compile", "Backend", "Rendezvous", "Initialisation",
+             "Gradient accumulation", "Checkpoints", "What to change if"]  # fmt: skip
+
+
+def sections(text: str) -> dict[str, str]:
+    parts = re.split(r"^## ", text, flags=re.M)[1:]
+    return {part.split("\n", 1)[0].split(":")[0].strip(): part for part in parts}
+
+
+def test_plan_covers_every_decision_with_a_docs_link(rendered):
+    for name, root in rendered.items():
+        found = sections((root / "PLAN.md").read_text())
+        for decision in DECISIONS:
+            assert any(title.startswith(decision) for title in found), (name, decision)
+
+
+def test_plan_sections_are_not_boilerplate(rendered):
+    # Every decision section reads differently in at least two renders of the matrix.
+    texts = {name: sections((root / "PLAN.md").read_text()) for name, root in rendered.items()}
+    for decision in DECISIONS:
+        variants = {next(v for k, v in s.items() if k.startswith(decision)) for s in texts.values()}
+        assert len(variants) > 1, f"PLAN.md section '{decision}' is identical in every render"
+
+
+def test_plan_numbers_come_from_the_answers(rendered):
+    plan = (rendered["ada_offload"] / "PLAN.md").read_text()
+    assert "2 cuda GPUs** of 48 GiB" in plan and "## CPU offload: yes" in plan and "43.2 GiB" in plan
+
+
+@pytest.mark.parametrize("name", MATRIX)
+def test_links_are_well_formed(rendered, name):
+    for doc in DOCS:
+        text = (rendered[name] / doc).read_text()
+        for url in re.findall(r"https?://[^\s)>\]`]+", text):
+            parsed = urlparse(url)
+            assert parsed.scheme == "https", url
+            assert parsed.netloc in HOSTS, url
+            assert re.fullmatch(
+                r"[A-Za-z0-9/._#-]+", parsed.path + ("#" + parsed.fragment if parsed.fragment else "")
+            ), url
+        assert text.count("](") == len(re.findall(r"\]\([^)\s]+\)", text)), f"{doc}: a markdown link is broken"
