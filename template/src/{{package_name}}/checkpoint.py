@@ -40,13 +40,14 @@ class TrainState(Stateful):
     """Everything a resumed run needs: model, optimizer, LR schedule, step, data position, RNG.
 
     The model and optimizer go through torch's distributed state-dict API, which gives DCP
-    sharded DTensors, so they reshard on load. RNG states are per rank; they are restored only
-    when the world size is unchanged (set `restore_rng` before loading).
+    sharded DTensors, so they reshard on load, and so does the position of global-batch data.
+    Per-rank state (RNG, and the position of per-rank data) is restored only when the world size
+    is unchanged (set `restore_per_rank` before loading).
     """
 
     def __init__(self, model, optimizer, scheduler, loader, rank: int):
         self.model, self.optimizer, self.scheduler, self.loader = model, optimizer, scheduler, loader
-        self.rank, self.step, self.restore_rng = rank, 0, True
+        self.rank, self.step, self.restore_per_rank = rank, 0, True
 
     def state_dict(self) -> dict:
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
@@ -55,19 +56,23 @@ class TrainState(Stateful):
             "optim": optim_state,
             "scheduler": self.scheduler.state_dict(),
             "step": self.step,
-            "data": self.loader.state_dict(),
         }
-        if self.restore_rng:
-            state[f"rng_rank{self.rank}"] = _rng_state()
+        if not self.loader.rank_sharded:
+            state["data"] = self.loader.state_dict()
+        if self.restore_per_rank:
+            state[f"rank{self.rank}"] = {"rng": _rng_state(), "data": self.loader.state_dict()}
         return state
 
     def load_state_dict(self, state: dict) -> None:
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = int(state["step"])
-        self.loader.load_state_dict(state["data"])
-        if self.restore_rng:
-            _set_rng_state(state[f"rng_rank{self.rank}"])
+        if not self.loader.rank_sharded:
+            self.loader.load_state_dict(state["data"])
+        if self.restore_per_rank:
+            _set_rng_state(state[f"rank{self.rank}"]["rng"])
+            if self.loader.rank_sharded:
+                self.loader.load_state_dict(state[f"rank{self.rank}"]["data"])
 
 
 def _rng_state() -> dict:
@@ -212,17 +217,16 @@ class CheckpointManager:
 
     def load(self, state: TrainState, path: Path) -> None:
         saved_world = json.loads((path / MARKER).read_text())["world_size"]
-        state.restore_rng = saved_world == self.world_size
-        if not state.restore_rng:
+        state.restore_per_rank = saved_world == self.world_size
+        if not state.restore_per_rank:
+            per_rank = "RNG states and per-rank data positions" if state.loader.rank_sharded else "RNG states"
             logger.warning(
-                "checkpoint %s was saved by %d ranks, this run has %d: model, optimizer, schedule and data "
-                "position reshard; per-rank RNG states do not and are not restored",
-                path,
-                saved_world,
-                self.world_size,
-            )
+                "checkpoint %s was saved by %d ranks, this run has %d: model, optimizer, schedule and global data "
+                "position reshard; per-rank %s do not and are not restored",
+                path, saved_world, self.world_size, per_rank,
+            )  # fmt: skip
         dcp.load({"train": state}, checkpoint_id=path, planner=WeightsOnlyLoadPlanner())
-        state.restore_rng = True
+        state.restore_per_rank = True
         logger.info("resumed from %s at step %d", path, state.step)
 
     def close(self) -> None:

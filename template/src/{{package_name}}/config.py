@@ -26,7 +26,7 @@ Precision = Literal["bf16", "fp16", "fp32"]
 
 @dataclass
 class ModelConfig:
-    name: Literal["llama"] = "llama"
+    name: Literal["llama", "hf_causal_lm", "vit", "custom"] = "llama"
     """Model family; models/__init__.py maps it to a class."""
     preset: str = "debug"
     """Name of the size preset these shapes came from (informational)."""
@@ -50,6 +50,18 @@ class ModelConfig:
     """Longest sequence the rotary cache covers."""
     tie_embeddings: bool = True
     """Share the input embedding and output projection weights."""
+    hf_architecture: str = "llama"
+    """hf_causal_lm: the transformers model type built from the shapes above (llama, qwen2, mistral, ...)."""
+    hf_config: str = ""
+    """hf_causal_lm: a local directory with a transformers config.json to build from instead."""
+    image_size: int = 32
+    """vit: image height and width in pixels."""
+    patch_size: int = 8
+    """vit: patch height and width in pixels; must divide image_size."""
+    channels: int = 3
+    """vit: image channels."""
+    num_classes: int = 10
+    """vit: classes to predict."""
 
 
 @dataclass
@@ -86,6 +98,8 @@ class ParallelConfig:
     """full (ZeRO-3), shard_grad_op (ZeRO-2), hybrid (HSDP: shard in a node, replicate across), no_shard (DDP)."""
     hsdp_shard_size: int = 0
     """Ranks per shard group for hybrid; 0 uses the ranks of one node (LOCAL_WORLD_SIZE)."""
+    reshard_size: int = 0
+    """After forward, keep blocks gathered over groups of this many ranks (ZeRO++ hpZ); 0 follows sharding."""
     mixed_precision: Precision = "fp32"
     """Compute dtype of the unsharded parameters; gradients are reduced and kept in fp32."""
     cpu_offload: bool = False
@@ -130,8 +144,18 @@ class CheckpointConfig:
 
 @dataclass
 class DataConfig:
-    source: Literal["synthetic"] = "synthetic"
-    """Where tokens come from; synthetic is a learnable Markov chain generated from the seed."""
+    source: Literal["synthetic", "memmap", "synthetic_images", "image_folder"] = "synthetic"
+    """synthetic (learnable tokens), memmap (a token .bin file), synthetic_images, image_folder (<class>/*.png)."""
+    path: str = ""
+    """memmap: the token file (`python -m <package>.data prepare` writes one); image_folder: the root folder."""
+    dtype: Literal["uint16", "uint32"] = "uint16"
+    """memmap: token dtype of the file (uint16 for vocabularies up to 65536)."""
+    shard_by: Literal["global", "rank"] = "global"
+    """global: every rank slices the same global batches; rank: each rank reads its own contiguous part."""
+    uneven_inputs: Literal["min", "join"] = "min"
+    """shard_by=rank: min stops every rank at the shortest part; join (DDP only) lets finished ranks shadow."""
+    join_throw: bool = False
+    """uneven_inputs=join: raise on every rank as soon as one runs out (Join's throw_on_early_termination)."""
     synthetic_branching: int = 2
     """Successors per token in the synthetic chain; the loss floor is ln(branching)."""
 
@@ -193,7 +217,20 @@ class Config:
         require(m.dim % m.n_heads == 0, f"model.dim={m.dim} must be divisible by model.n_heads={m.n_heads}")
         require(m.n_heads % m.n_kv_heads == 0, f"model.n_heads={m.n_heads} must be a multiple of n_kv_heads")
         require(m.dim // m.n_heads % 2 == 0, "model.dim / model.n_heads must be even for rotary embeddings")
-        require(t.seq_len <= m.max_seq_len, f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+        if m.name == "vit":
+            require(m.image_size % m.patch_size == 0, "model.patch_size must divide model.image_size")
+        else:
+            require(t.seq_len <= m.max_seq_len, f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+        d = self.data
+        require(d.source not in ("memmap", "image_folder") or bool(d.path), f"data.source={d.source} needs data.path")
+        require(
+            (d.source in ("synthetic_images", "image_folder")) == (m.name == "vit"),
+            f"data.source={d.source} does not feed model.name={m.name} (images go with vit, tokens with the others)",
+        )
+        require(
+            d.uneven_inputs != "join" or p.sharding == "no_shard",
+            "data.uneven_inputs=join needs parallel.sharding=no_shard: FSDP modules are not Joinable, only DDP is",
+        )
         require(t.steps > 0, f"train.steps={t.steps} must be positive")
         require(0 <= t.warmup_steps < t.steps, f"train.warmup_steps={t.warmup_steps} must be in [0, train.steps)")
         require(t.lr > 0, f"train.lr={t.lr} must be positive")

@@ -51,12 +51,13 @@ def init_logging(rank: int) -> None:
 def flops_per_token(model: nn.Module, cfg: ModelConfig, seq_len: int) -> int:
     """Training FLOPs per token, torchtitan's convention: 6 x matmul parameters + attention.
 
-    The embedding lookup is not a matmul; the output projection is, tied or not.
-    Attention adds 12 * layers * heads * head_dim * seq_len (2 matmuls, x3 for forward and
-    backward, x2 for multiply-add), ignoring causal sparsity as is customary.
+    Embedding lookups are not matmuls (unless the weight doubles as the tied output head).
+    Attention adds 12 * layers * dim * seq_len (2 matmuls, x3 for forward and backward, x2 for
+    multiply-add), ignoring causal sparsity as is customary.
     """
     n_params = sum(p.numel() for p in model.parameters())
-    n_matmul = n_params - cfg.vocab_size * cfg.dim + (cfg.vocab_size * cfg.dim if cfg.tie_embeddings else 0)
+    lookups = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Embedding))
+    n_matmul = n_params - (0 if cfg.tie_embeddings and cfg.name != "vit" else lookups)
     return 6 * n_matmul + 12 * cfg.n_layers * cfg.dim * seq_len
 
 

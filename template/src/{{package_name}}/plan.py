@@ -69,11 +69,20 @@ class ModelShape:
     kv: int
     f: int
     V: int
+    tokens: int = 0
+    """Tokens per sample through the blocks (0: train.seq_len)."""
+    logits: int = 0
+    """Positions per sample that produce logits (0: every token)."""
 
     @classmethod
     def of(cls, m: ModelConfig) -> ModelShape:
         kv = m.n_kv_heads * (m.dim // m.n_heads)
         block = 2 * m.dim * m.dim + 2 * m.dim * kv + 3 * m.dim * m.ffn_hidden_dim + 2 * m.dim
+        if m.name == "vit":  # patch embedding, class token, positions, final norm, classifier head
+            patches = (m.image_size // m.patch_size) ** 2
+            outside = m.channels * m.patch_size**2 * m.dim + (patches + 4) * m.dim + m.dim * m.num_classes
+            return cls(block * m.n_layers + outside, block, outside, m.n_layers, m.dim, kv, m.ffn_hidden_dim,
+                       m.num_classes, tokens=patches + 1, logits=1)  # fmt: skip
         outside = m.vocab_size * m.dim * (1 if m.tie_embeddings else 2) + m.dim
         return cls(block * m.n_layers + outside, block, outside, m.n_layers, m.dim, kv, m.ffn_hidden_dim, m.vocab_size)
 
@@ -128,9 +137,10 @@ def memory_plan(
         gathered = 2 * s.Pb * p + s.Pn * p
     gradbuf = 0 if sharding == "no_shard" else s.Pb * (p + 4)
     full_layer = activation_bytes_per_token(s, precision, "none")
-    tokens = seq_len * micro_batch_size
+    tokens = (s.tokens or seq_len) * micro_batch_size
+    logits = (s.logits or seq_len) * micro_batch_size
     extra = full_layer if ac == "full" else 0  # the one block being recomputed in backward
-    activations = tokens * (s.L * activation_bytes_per_token(s, precision, ac) + s.V * (p + 12) + extra)
+    activations = tokens * (s.L * activation_bytes_per_token(s, precision, ac) + extra) + logits * s.V * (p + 12)
     host = params + grads + optim if cpu_offload else 0
     return MemoryPlan(params, grads, optim, grads_live, gathered, gradbuf, activations, host)
 

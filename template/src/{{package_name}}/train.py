@@ -19,15 +19,17 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.algorithms.join import Join
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.tensor import DTensor
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from .checkpoint import CheckpointManager, TrainState
 from .config import Config, load_config
-from .data import build_loader
+from .data import agree_on_steps, build_loader
 from .distributed import (
     DistEnv,
+    LoopControl,
     StopRequest,
     any_rank,
     build_mesh,
@@ -50,7 +52,7 @@ from .parallelize import (
     init_weights_from_rank0,
     wrap_ddp,
 )
-from .plan import check_plan
+from .plan import ModelShape, check_plan
 from .weights import export_weights, initial_state
 
 logger = logging.getLogger(__name__)
@@ -154,7 +156,7 @@ def train_step(model: nn.Module, optimizer, scheduler, micro_batches, ctx: StepC
             logits = model(inputs)  # model(x), never model.forward(x): FSDP hooks live in __call__
             # Each micro-batch contributes mean/len, so the sum is this rank's mean; FSDP and DDP
             # average over ranks, so gradients are those of the global-batch mean.
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()) / len(micro_batches)
+            loss = F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten()) / len(micro_batches)
             (ctx.scaler.scale(loss) if ctx.scaler else loss).backward()
         loss_sum += loss.detach()
     if ctx.scaler:
@@ -210,6 +212,7 @@ def build_step_context(cfg: Config, env: DistEnv) -> StepContext:
 def build_metrics(cfg: Config, env: DistEnv, model: nn.Module, start_step: int) -> MetricsLogger:
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    tokens = ModelShape.of(cfg.model).tokens or cfg.train.seq_len  # per sample (patches + 1 for a ViT)
     return MetricsLogger(
         run_dir,
         enabled=env.is_main,
@@ -217,9 +220,9 @@ def build_metrics(cfg: Config, env: DistEnv, model: nn.Module, start_step: int) 
         progress_bar=cfg.metrics.progress_bar,
         total_steps=cfg.train.steps,
         start_step=start_step,
-        tokens_per_step=cfg.train.global_batch_size * cfg.train.seq_len,
+        tokens_per_step=cfg.train.global_batch_size * tokens,
         world_size=env.world_size,
-        flops_per_token=flops_per_token(model, cfg.model, cfg.train.seq_len),
+        flops_per_token=flops_per_token(model, cfg.model, tokens),
         peak_tflops=peak_tflops(env.device, cfg.metrics.peak_tflops),
         device=env.device,
     )
@@ -239,21 +242,36 @@ def main(argv: list[str] | None = None) -> None:
         state = TrainState(model, optimizer, scheduler, loader, env.rank)
         start = step = checkpoint_load(ckpt, state, resume)
         ctx, metrics, stop = build_step_context(cfg, env), build_metrics(cfg, env, model, step), StopRequest()
-        with logging_redirect_tqdm():
-            while step < cfg.train.steps:
-                step += 1
-                result = train_step(model, optimizer, scheduler, loader.next_batches(), ctx)
+        # Per-rank data may run out unevenly: agree on the shortest (min), or let DDP ranks that
+        # ran out shadow the others' collectives (join); global-batch data never runs out.
+        joining = cfg.data.uneven_inputs == "join" and loader.rank_sharded
+        last = cfg.train.steps if joining else agree_on_steps(loader, cfg.train.steps, env.device)
+        control = LoopControl(env.device, cfg.metrics.log_every, step)
+        uneven = Join([model, control], throw_on_early_termination=cfg.data.join_throw) if joining else nullcontext()
+        with logging_redirect_tqdm(), uneven:
+            while step < last:
+                try:
+                    batches = loader.next_batches()
+                except StopIteration:  # this rank's data ran out; Join shadows the others from here
+                    break
+                step = control.step = step + 1
+                result = train_step(model, optimizer, scheduler, batches, ctx)
+                Join.notify_join_context(control)
                 if metrics.should_log(step):
-                    metrics.log(step, mean_across_ranks(result.loss), result.grad_norm, result.lr)
+                    metrics.log(step, mean_across_ranks(result.loss, env.device), result.grad_norm, result.lr)
                 if step == start + 1:
                     set_collective_timeout(cfg.dist.train_timeout_s)
                 preempted = any_rank(stop.requested, env.device)
                 job_done = preempted or step - start == cfg.train.stop_after_steps
-                checkpoint_save(ckpt, state, step, final=job_done or step == cfg.train.steps)
+                if not joining:  # a rank that has joined could not take part in a save
+                    checkpoint_save(ckpt, state, step, final=job_done or step == last)
                 if job_done:
                     why = "preemption signal" if preempted else "train.stop_after_steps"
                     logger.info("stopping after step %d (%s); resume with the same command", step, why)
                     break
+        if joining:  # every rank is back in step: save where the longest-running rank stopped
+            step = control.step
+            checkpoint_save(ckpt, state, step, final=True)
         if step == cfg.train.steps and cfg.checkpoint.export != "none":
             export_weights(model, cfg, Path(cfg.run_dir) / "export", env.is_main)
         ckpt.close()

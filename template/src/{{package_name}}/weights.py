@@ -84,16 +84,28 @@ def hf_config(cfg: ModelConfig) -> dict:
     }
 
 
+def _tied_key(cfg: ModelConfig) -> str | None:
+    """The state-dict key of a tied output head (stored once, restored on load), if any."""
+    if not cfg.tie_embeddings or cfg.name == "vit":
+        return None
+    return "hf.lm_head.weight" if cfg.name == "hf_causal_lm" else "output.weight" if cfg.name == "llama" else None
+
+
 def save(state: dict[str, torch.Tensor], cfg: ModelConfig, out: Path, fmt: str) -> Path:
     """Write `state` (this repo's names) as `fmt` (safetensors or hf) into directory `out`."""
     out.mkdir(parents=True, exist_ok=True)
     # A tied output head is the embedding: store it once (safetensors refuses shared tensors).
-    tensors = {
-        k: v.detach().cpu().contiguous() for k, v in state.items() if not (cfg.tie_embeddings and k == "output.weight")
-    }
+    tied = _tied_key(cfg)
+    tensors = {k: v.detach().cpu().contiguous() for k, v in state.items() if k != tied}
     if fmt == "hf":
-        tensors = {_rename(k, _TO_HF): v for k, v in tensors.items()}
-        (out / "config.json").write_text(json.dumps(hf_config(cfg), indent=2))
+        if cfg.name == "llama":
+            tensors = {_rename(k, _TO_HF): v for k, v in tensors.items()}
+            (out / "config.json").write_text(json.dumps(hf_config(cfg), indent=2))
+        elif cfg.name == "hf_causal_lm":
+            tensors = {k.removeprefix("hf."): v for k, v in tensors.items()}
+            (out / "config.json").write_text(build_model_on_meta(cfg).hf.config.to_json_string())
+        else:
+            raise ValueError(f"checkpoint.export=hf needs model.name llama or hf_causal_lm, not {cfg.name}")
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt", "layout": fmt})
     return out / "model.safetensors"
 
@@ -105,10 +117,14 @@ def load(path: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     if not file.is_file():
         raise ValueError(f"checkpoint.init_from={path}: no model.safetensors there")
     tensors = load_file(file)  # safetensors holds tensors only: nothing in it can run code
-    if any(name.startswith("model.") for name in tensors):
+    if cfg.name == "hf_causal_lm" and not any(k.startswith("hf.") for k in tensors):
+        tensors = {f"hf.{k}": v for k, v in tensors.items()}
+    elif cfg.name == "llama" and any(k.startswith("model.") for k in tensors):
         tensors = {_rename(k, _FROM_HF): v for k, v in tensors.items()}
-    if cfg.tie_embeddings:
-        tensors["output.weight"] = tensors["tok_embeddings.weight"]
+    tied = _tied_key(cfg)
+    if tied:
+        embed = "hf.model.embed_tokens.weight" if cfg.name == "hf_causal_lm" else "tok_embeddings.weight"
+        tensors[tied] = tensors[embed]
     expected = set(build_model_on_meta(cfg).state_dict())
     if set(tensors) != expected:
         missing, extra = sorted(expected - set(tensors)), sorted(set(tensors) - expected)

@@ -46,13 +46,15 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor | None) -> torch.Tensor:
         bsz, seq_len, _ = x.shape
         q = self.wq(x).view(bsz, seq_len, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(bsz, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(bsz, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, rope), apply_rope(k, rope)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)
+        if rope is not None:  # a decoder; the ViT encoder has learned positions instead
+            q, k = apply_rope(q, rope), apply_rope(k, rope)
+        gqa = self.n_kv_heads != self.n_heads
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=rope is not None, enable_gqa=gqa)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq_len, -1))
 
 
@@ -68,7 +70,10 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    """One decoder layer; each block becomes one FSDP unit (and one AC / compile region)."""
+    """One transformer layer; each block becomes one FSDP unit (and one AC / compile region).
+
+    With a rotary table it is a causal decoder layer; without, a bidirectional encoder layer.
+    """
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -77,7 +82,7 @@ class Block(nn.Module):
         self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor | None = None) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), rope)
         return x + self.feed_forward(self.ffn_norm(x))
 
