@@ -9,7 +9,7 @@ MATRIX = {
     "default": {},
     # The laptop: CPU ranks with gloo, fp32, full sharding, no AC.
     "cpu_debug": {"accelerator": "cpu", "model_size": "debug"},
-    # Two Ampere nodes on Ethernet: hybrid sharding, tcp rendezvous, async checkpoints.
+    # Two Ampere nodes on Ethernet: hybrid sharding, tcp rendezvous, async checkpoints, every launcher.
     "ampere_two_nodes_ethernet": {
         "gpu_arch": "ampere",
         "num_nodes": 2,
@@ -18,8 +18,9 @@ MATRIX = {
         "sharding": "hybrid",
         "init_method": "tcp",
         "checkpoint_format": "dcp_async",
+        "launchers": ["torchrun", "slurm", "kubernetes"],
     },
-    # Volta over PCIe: fp16 with loss scaling, full AC, shard_grad_op, file rendezvous.
+    # Volta over PCIe: fp16 with loss scaling, full AC, shard_grad_op, file rendezvous, no CI workflow.
     "volta_pcie_fp16": {
         "gpu_arch": "volta",
         "gpus_per_node": 4,
@@ -31,8 +32,16 @@ MATRIX = {
         "sharding": "shard_grad_op",
         "compile": False,
         "init_method": "file",
+        "ci_workflow": False,
     },
-    "xpu": {"accelerator": "xpu", "gpus_per_node": 4, "model_size": "3b", "backend": "xccl"},
+    # Intel GPUs, launched on Kubernetes only.
+    "xpu": {
+        "accelerator": "xpu",
+        "gpus_per_node": 4,
+        "model_size": "3b",
+        "backend": "xccl",
+        "launchers": ["kubernetes"],
+    },
     # Four Blackwell nodes on InfiniBand, Llama 70B.
     "blackwell_70b": {"gpu_arch": "blackwell", "num_nodes": 4, "inter_node_link": "infiniband", "model_size": "70b"},
     # 8B on two 48 GB GPUs only fits with CPU offload (the planner's pick).

@@ -17,6 +17,7 @@ BASE = {
     "micro_batch_size": 2, "mixed_precision": "bf16", "activation_checkpointing": "none", "sharding": "full",
     "cpu_offload": False, "compile": True, "backend": "nccl", "init_method": "env", "checkpoint_format": "dcp",
     "checkpoint_interval": 500, "checkpoint_keep_last": 3, "checkpoint_export": "hf", "resume": "auto",
+    "launchers": ["torchrun"], "ci_workflow": True,
 }  # fmt: skip
 # question -> (answers that must differ from BASE for the change to be valid, the other answer)
 CHANGE = {
@@ -44,6 +45,8 @@ CHANGE = {
     "checkpoint_keep_last": ({}, 5),
     "checkpoint_export": ({}, "safetensors"),
     "resume": ({}, "never"),
+    "launchers": ({}, ["slurm", "kubernetes"]),
+    "ci_workflow": ({}, False),
 }
 
 
