@@ -5,6 +5,10 @@ changes; the planner fills in the rest the way it would for a user.
 """
 
 MATRIX = {
+    # The ViT presets, planned for their hardware (render checks only).
+    "vit_base": {"model_type": "vit"},
+    "vit_large_ampere": {"model_type": "vit", "model_size": "vit-large", "gpu_arch": "ampere", "gpus_per_node": 4},
+    "vit_huge_blackwell": {"model_type": "vit", "model_size": "vit-huge", "gpu_arch": "blackwell"},
     # cuda/hopper/nvlink, 8b, bf16, selective AC + shard_grad_op (the planner's pick), compile, nccl, env
     "default": {},
     # The laptop: CPU ranks with gloo, fp32, full sharding, no AC.
@@ -20,8 +24,12 @@ MATRIX = {
         "checkpoint_format": "dcp_async",
         "launchers": ["torchrun", "slurm", "kubernetes"],
     },
-    # Volta over PCIe: fp16 with loss scaling, full AC, shard_grad_op, file rendezvous, no CI workflow.
+    # Volta over PCIe: your own model (the custom stub) on a token file, fp16 with loss scaling,
+    # full AC, shard_grad_op, file rendezvous, no CI workflow.
     "volta_pcie_fp16": {
+        "model_type": "custom",
+        "data_source": "memmap",
+        "checkpoint_export": "safetensors",
         "gpu_arch": "volta",
         "gpus_per_node": 4,
         "gpu_memory_gb": 32,
@@ -34,8 +42,10 @@ MATRIX = {
         "init_method": "file",
         "ci_workflow": False,
     },
-    # Intel GPUs, launched on Kubernetes only.
+    # Intel GPUs, a transformers Mistral, launched on Kubernetes only.
     "xpu": {
+        "model_type": "hf_causal_lm",
+        "hf_architecture": "mistral",
         "accelerator": "xpu",
         "gpus_per_node": 4,
         "model_size": "3b",
@@ -44,8 +54,17 @@ MATRIX = {
     },
     # Four Blackwell nodes on InfiniBand, Llama 70B.
     "blackwell_70b": {"gpu_arch": "blackwell", "num_nodes": 4, "inter_node_link": "infiniband", "model_size": "70b"},
-    # 8B on two 48 GB GPUs only fits with CPU offload (the planner's pick).
-    "ada_offload": {"gpu_arch": "ada", "gpus_per_node": 2, "gpu_memory_gb": 48, "model_size": "8b"},
+    # A transformers Qwen2 of the 8B shape, from a local dataset: on two 48 GB GPUs it only fits
+    # with CPU offload (the planner's pick).
+    "ada_offload": {
+        "gpu_arch": "ada",
+        "gpus_per_node": 2,
+        "gpu_memory_gb": 48,
+        "model_size": "8b",
+        "model_type": "hf_causal_lm",
+        "hf_architecture": "qwen2",
+        "data_source": "hf_dataset",
+    },
     # DDP over MPI on Turing (MPI lacks reduce_scatter, so only no_shard is allowed).
     "turing_mpi_ddp": {
         "gpu_arch": "turing",
@@ -65,12 +84,15 @@ MATRIX = {
         "compile": True,
         "init_method": "tcp",
     },
-    # CPU ranks as two "nodes": hybrid, fp16, offload, full AC, async checkpoints, file rendezvous.
+    # CPU ranks as two "nodes": a ViT on an image folder, hybrid, fp16, offload, full AC, async
+    # checkpoints, file rendezvous.
     "cpu_hybrid_fp16_offload": {
+        "model_type": "vit",
+        "model_size": "vit-debug",
+        "data_source": "image_folder",
         "accelerator": "cpu",
         "gpus_per_node": 1,
         "num_nodes": 2,
-        "model_size": "debug",
         "sharding": "hybrid",
         "mixed_precision": "fp16",
         "cpu_offload": True,
@@ -99,3 +121,5 @@ SMOKE = ["default", "cpu_debug", "ampere_two_nodes_ethernet", "volta_pcie_fp16",
 FULL = ["cpu_debug", "ampere_two_nodes_ethernet"]
 # FAULTS: ranks killed at ten points under torchrun --max-restarts (needs env:// rendezvous).
 FAULTS = ["cpu_debug"]
+# STRATEGIES: every sharding mode at world sizes 1, 2 and 4 against one golden loss table.
+STRATEGIES = ["cpu_debug"]

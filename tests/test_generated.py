@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import yaml
-from answers import FAULTS, FULL, SMOKE
+from answers import FAULTS, FULL, SMOKE, STRATEGIES
 
 RUN_ON_CPU = {
     "sharding": {"full", "shard_grad_op", "hybrid", "no_shard"},
@@ -27,7 +27,7 @@ def test_smoke_renders_cover_every_choice_that_runs_on_cpu(rendered):
         assert {a[question] for a in answers} == choices, question
 
 
-SMOKE_FILES = ["tests/test_smoke.py", "tests/test_fsdp_rules.py", "tests/test_plan.py"]
+SMOKE_FILES = ["tests/test_smoke.py", "tests/test_fsdp_rules.py", "tests/test_plan.py", "tests/test_observability.py"]
 
 
 def run_generated(root, *args: str) -> str:
@@ -53,3 +53,9 @@ def test_generated_checkpoints_and_errors(rendered, name):
 def test_generated_crash_recovery(rendered, name):
     out = run_generated(rendered[name], "-m", "faults", "tests/test_faults.py")
     assert "10 passed" in out
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_generated_strategies_match_the_golden_losses(rendered, name):
+    out = run_generated(rendered[name], "-m", "strategies", "tests/test_strategies.py")
+    assert "12 passed" in out

@@ -60,5 +60,5 @@ def test_render_configs_parse_and_record_the_answers(rendered, name):
         assert cfg["parallel"]["cpu_offload"] == answers["cpu_offload"]
         assert cfg["dist"]["backend"] == answers["backend"]
         assert cfg["hardware"]["gpus_per_node"] == answers["gpus_per_node"]
-    preset = root / "configs" / f"{answers['model_size']}.toml"
-    assert preset.is_file()
+    debug = answers["model_size"] in ("debug", "vit-debug")
+    assert (root / "configs" / ("debug.toml" if debug else f"{answers['model_size']}.toml")).is_file()

@@ -168,6 +168,12 @@ class MetricsConfig:
     """Show a progress bar on rank 0."""
     peak_tflops: float = 0.0
     """Peak dense TFLOP/s of one device for MFU; 0 looks the device up by name."""
+    backend: Literal["none", "tensorboard", "wandb"] = "none"
+    """Also send metrics to TensorBoard (<run_dir>/tensorboard) or Weights & Biases (key from WANDB_API_KEY)."""
+    wandb_project: str = ""
+    """Weights & Biases project; empty uses the run directory's name."""
+    profile_steps: str = ""
+    """Profile a window of steps with torch.profiler, e.g. "10-12"; traces go to <run_dir>/profile."""
 
 
 @dataclass
@@ -247,6 +253,11 @@ class Config:
         require(c.keep_last >= 1, f"checkpoint.keep_last={c.keep_last} must be at least 1")
         require(self.data.synthetic_branching >= 1, "data.synthetic_branching must be at least 1")
         require(self.metrics.log_every > 0, f"metrics.log_every={self.metrics.log_every} must be positive")
+        window = self.metrics.profile_steps.split("-")
+        require(
+            not self.metrics.profile_steps or (len(window) == 2 and all(w.isdigit() for w in window)),
+            f"metrics.profile_steps={self.metrics.profile_steps!r} must look like 10-12 (first and last step)",
+        )
         if errors:
             raise ValueError("invalid config:\n  " + "\n  ".join(errors))
         return self

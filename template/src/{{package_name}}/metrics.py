@@ -7,13 +7,14 @@ import logging
 import resource
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 from torch import nn
 from tqdm import tqdm
 
-from .config import ModelConfig
+from .config import Config, ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -79,38 +80,36 @@ def peak_memory_gib(device: torch.device) -> float:
 
 
 class MetricsLogger:
-    """Logs on rank 0 every `log_every` steps and appends one JSON line per logged step."""
+    """Logs on rank 0 every `log_every` steps: the console, metrics.jsonl, and TensorBoard or W&B.
+
+    Also times the data loading of each step and runs the optional profiler window.
+    """
 
     def __init__(
-        self,
-        run_dir: Path,
-        *,
-        enabled: bool,
-        log_every: int,
-        progress_bar: bool,
-        total_steps: int,
-        start_step: int,
-        tokens_per_step: int,
-        world_size: int,
-        flops_per_token: int,
-        peak_tflops: float | None,
-        device: torch.device,
-    ):
-        self.enabled, self.log_every, self.device = enabled, log_every, device
+        self, cfg: Config, run_dir: Path, *, enabled: bool, start_step: int, tokens_per_step: int, world_size: int,
+        flops_per_token: int, peak_tflops: float | None, device: torch.device, rank: int,
+    ):  # fmt: skip
+        m = cfg.metrics
+        self.enabled, self.log_every, self.device = enabled, m.log_every, device
         self.tokens_per_step, self.world_size = tokens_per_step, world_size
         self.flops_per_token, self.peak_tflops = flops_per_token, peak_tflops
         self.file = (run_dir / "metrics.jsonl").open("a") if enabled else None
         self.bar = tqdm(
-            total=total_steps,
-            initial=start_step,
-            disable=not (enabled and progress_bar),
-            unit="step",
-            dynamic_ncols=True,
+            total=cfg.train.steps, initial=start_step, disable=not (enabled and m.progress_bar), unit="step"
         )
-        self.last_time, self.last_step = time.perf_counter(), start_step
+        self.last_time, self.last_step, self.data_seconds = time.perf_counter(), start_step, 0.0
+        self.sink = _sink(cfg, run_dir) if enabled else None
+        self.profiler = _Profiler(m.profile_steps, run_dir / "profile", rank, device, start_step)
 
     def should_log(self, step: int) -> bool:
         return step % self.log_every == 0
+
+    def timed(self, fetch):
+        """fetch(), with its time counted as waiting for data."""
+        started = time.perf_counter()
+        result = fetch()
+        self.data_seconds += time.perf_counter() - started
+        return result
 
     def log(self, step: int, loss: float, grad_norm: float, lr: float) -> None:
         """Record a step; call on every rank (only rank 0 writes)."""
@@ -118,37 +117,93 @@ class MetricsLogger:
         if not self.enabled:
             return
         now = time.perf_counter()
-        seconds = (now - self.last_time) / max(step - self.last_step, 1)
+        steps = max(step - self.last_step, 1)
+        seconds = (now - self.last_time) / steps
         self.last_time, self.last_step = now, step
         tokens_per_s_device = self.tokens_per_step / seconds / self.world_size
         mfu = None
         if self.peak_tflops:
             mfu = 100 * self.flops_per_token * tokens_per_s_device / (self.peak_tflops * 1e12)
         record = {
-            "step": step,
-            "loss": loss,
-            "grad_norm": grad_norm,
-            "lr": lr,
-            "step_time_s": seconds,
-            "tokens_per_s_per_device": tokens_per_s_device,
-            "mfu_pct": mfu,
+            "step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr, "step_time_s": seconds,
+            "data_wait_s": self.data_seconds / steps, "tokens_per_s_per_device": tokens_per_s_device, "mfu_pct": mfu,
             "peak_mem_gib": peak_memory_gib(self.device),
-        }
+        }  # fmt: skip
+        self.data_seconds = 0.0
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
+        if self.sink:
+            self.sink(step, {k: v for k, v in record.items() if k != "step" and v is not None})
         mfu_text = f"{mfu:.1f}%" if mfu is not None else "n/a"
         logger.info(
-            "step %d  loss %.4f  grad_norm %.3f  lr %.2e  %.0f tok/s/dev  mfu %s  peak mem %.2f GiB",
-            step,
-            loss,
-            grad_norm,
-            lr,
-            tokens_per_s_device,
-            mfu_text,
+            "step %d  loss %.4f  grad_norm %.3f  lr %.2e  %.0f tok/s/dev  mfu %s  data %.0f%%  peak mem %.2f GiB",
+            step, loss, grad_norm, lr, tokens_per_s_device, mfu_text, 100 * record["data_wait_s"] / seconds,
             record["peak_mem_gib"],
-        )
+        )  # fmt: skip
+
+    def after_step(self, step: int) -> None:
+        self.profiler.after_step(step)
 
     def close(self) -> None:
         self.bar.close()
+        self.profiler.close()
         if self.file:
             self.file.close()
+        if self.sink:
+            self.sink(None, None)
+
+
+def _sink(cfg: Config, run_dir: Path):
+    """A callable(step, scalars) for the configured metrics backend; (None, None) closes it."""
+    backend = cfg.metrics.backend
+    if backend == "tensorboard":
+        from torch.utils.tensorboard import SummaryWriter
+
+        writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+
+        def write(step, scalars):
+            if step is None:
+                return writer.close()
+            for name, value in scalars.items():
+                writer.add_scalar(f"train/{name}", value, step)
+            writer.flush()
+
+        return write
+    if backend == "wandb":
+        import wandb  # reads WANDB_API_KEY / WANDB_MODE from the environment; no key is ever stored
+
+        run = wandb.init(project=cfg.metrics.wandb_project or run_dir.name, dir=str(run_dir), config=asdict(cfg))
+        return lambda step, scalars: (
+            run.finish() if step is None else run.log({f"train/{k}": v for k, v in scalars.items()}, step=step)
+        )
+    return None
+
+
+class _Profiler:
+    """torch.profiler over the steps first..last of `metrics.profile_steps`, one trace per rank."""
+
+    def __init__(self, window: str, out: Path, rank: int, device: torch.device, start_step: int):
+        self.first, self.last = (int(x) for x in window.split("-")) if window else (0, -1)
+        self.out, self.rank = out, rank
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self.profile = torch.profiler.profile(activities=activities, record_shapes=True, profile_memory=True)
+        self.active = False
+        if self.first <= start_step + 1 <= self.last:  # the window opens with the next step
+            self.after_step(self.first - 1)
+
+    def after_step(self, step: int) -> None:
+        if step == self.first - 1:
+            self.profile.start()
+            self.active = True
+        elif step == self.last:
+            self.close()
+
+    def close(self) -> None:
+        if self.active:
+            self.profile.stop()
+            self.out.mkdir(parents=True, exist_ok=True)
+            self.profile.export_chrome_trace(str(self.out / f"trace_rank{self.rank}.json"))
+            logger.info("profiled steps %d-%d: %s", self.first, self.last, self.out)
+            self.active = False

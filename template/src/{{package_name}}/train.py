@@ -214,17 +214,16 @@ def build_metrics(cfg: Config, env: DistEnv, model: nn.Module, start_step: int) 
     run_dir.mkdir(parents=True, exist_ok=True)
     tokens = ModelShape.of(cfg.model).tokens or cfg.train.seq_len  # per sample (patches + 1 for a ViT)
     return MetricsLogger(
+        cfg,
         run_dir,
         enabled=env.is_main,
-        log_every=cfg.metrics.log_every,
-        progress_bar=cfg.metrics.progress_bar,
-        total_steps=cfg.train.steps,
         start_step=start_step,
         tokens_per_step=cfg.train.global_batch_size * tokens,
         world_size=env.world_size,
         flops_per_token=flops_per_token(model, cfg.model, tokens),
         peak_tflops=peak_tflops(env.device, cfg.metrics.peak_tflops),
         device=env.device,
+        rank=env.rank,
     )
 
 
@@ -251,7 +250,7 @@ def main(argv: list[str] | None = None) -> None:
         with logging_redirect_tqdm(), uneven:
             while step < last:
                 try:
-                    batches = loader.next_batches()
+                    batches = metrics.timed(loader.next_batches)
                 except StopIteration:  # this rank's data ran out; Join shadows the others from here
                     break
                 step = control.step = step + 1
@@ -259,6 +258,7 @@ def main(argv: list[str] | None = None) -> None:
                 Join.notify_join_context(control)
                 if metrics.should_log(step):
                     metrics.log(step, mean_across_ranks(result.loss, env.device), result.grad_norm, result.lr)
+                metrics.after_step(step)
                 if step == start + 1:
                     set_collective_timeout(cfg.dist.train_timeout_s)
                 preempted = any_rank(stop.requested, env.device)
