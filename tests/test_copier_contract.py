@@ -2,29 +2,14 @@
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 
 import copier
 import yaml
-from conftest import TEMPLATE, render
+from conftest import TEMPLATE, committed_render, git, render, tagged_template
 
 UNSAFE_KEYS = {"_tasks", "_migrations", "_jinja_extensions"}
-
-
-def git(cwd, *args: str) -> str:
-    env_args = [
-        "-c",
-        "user.name=t",
-        "-c",
-        "user.email=t@example.com",
-        "-c",
-        "commit.gpgsign=false",
-        "-c",
-        "tag.gpgsign=false",
-    ]
-    return subprocess.run(["git", *env_args, *args], cwd=cwd, check=True, capture_output=True, text=True).stdout
 
 
 def test_copier_yml_uses_no_unsafe_feature():
@@ -44,20 +29,9 @@ def test_cli_copy_without_trust(tmp_path):
 
 
 def test_update_round_trip_keeps_user_edits(tmp_path):
-    # The template as a git repo tagged v1.0.0 ...
-    tpl = tmp_path / "template"
-    shutil.copytree(TEMPLATE, tpl, ignore=shutil.ignore_patterns(".git", ".venv", "__pycache__", ".pytest_cache"))
-    git(tpl, "init", "-q")
-    git(tpl, "add", "-A")
-    git(tpl, "commit", "-qm", "v1")
-    git(tpl, "tag", "v1.0.0")
-    # ... rendered into a project the user commits and edits ...
-    project = tmp_path / "project"
-    copier.run_copy(str(tpl), str(project), data={"accelerator": "cpu"}, defaults=True, unsafe=False,
-                    settings=copier.Settings(), vcs_ref="v1.0.0", quiet=True)  # fmt: skip
-    git(project, "init", "-q")
-    git(project, "add", "-A")
-    git(project, "commit", "-qm", "generated")
+    # The template as a git repo tagged v1.0.0, rendered into a project the user commits and edits ...
+    tpl = tagged_template(tmp_path)
+    project = committed_render(tpl, tmp_path / "project", {"accelerator": "cpu"})
     debug = project / "configs" / "debug.toml"
     debug.write_text(debug.read_text().replace("steps = 40", "steps = 77  # the user's choice"))
     (project / "NOTES.md").write_text("my notes\n")

@@ -13,10 +13,9 @@ import sys
 import tomllib
 from pathlib import Path
 
-import copier
 import pytest
 import yaml
-from conftest import TEMPLATE, render
+from conftest import TEMPLATE, committed_render, git, render, tagged_template
 
 spec = importlib.util.spec_from_file_location("hwprobe", TEMPLATE / "hwprobe.py")
 hwprobe = importlib.util.module_from_spec(spec)
@@ -200,12 +199,6 @@ def test_probe_source_is_jinja_safe_and_renders_verbatim(tmp_path):
     assert (root / "src" / "probed" / "hardware.py").read_text() == source
 
 
-def git(cwd: Path, *args: str) -> str:
-    identity = ["-c", "user.name=t", "-c", "user.email=t@example.com", "-c", "commit.gpgsign=false", "-c",
-                "tag.gpgsign=false"]  # fmt: skip
-    return subprocess.run(["git", *identity, *args], cwd=cwd, check=True, capture_output=True, text=True).stdout
-
-
 def settings_env(tmp_path: Path) -> dict[str, str]:
     """The environment for copier's CLI, isolated from the user's copier settings."""
     settings = tmp_path / "copier-settings.yml"
@@ -244,21 +237,11 @@ def plan_detect(project: Path, package: str, *args: str) -> str:
 
 
 def test_detect_prints_the_update_that_resizes_the_repo(tmp_path):
-    # The template as a git repo tagged v1.0.0 (test_copier_contract's round trip) ...
-    tpl = tmp_path / "template"
-    shutil.copytree(TEMPLATE, tpl, ignore=shutil.ignore_patterns(".git", ".venv", "__pycache__", ".pytest_cache"))
-    git(tpl, "init", "-q")
-    git(tpl, "add", "-A")
-    git(tpl, "commit", "-qm", "v1")
-    git(tpl, "tag", "v1.0.0")
-    # ... rendered for one 8 x H100 node, committed, and edited by its user ...
-    project = tmp_path / "project"
+    # The template as a git repo tagged v1.0.0, rendered for one 8 x H100 node, committed, and
+    # edited by its user ...
+    tpl = tagged_template(tmp_path)
     answers = {"package_name": "resized", "model_size": "8b", "seq_len": 4096, **MACHINES["h100"][1]}
-    copier.run_copy(str(tpl), str(project), data=answers, defaults=True, unsafe=False, settings=copier.Settings(),
-                    vcs_ref="v1.0.0", quiet=True)  # fmt: skip
-    git(project, "init", "-q")
-    git(project, "add", "-A")
-    git(project, "commit", "-qm", "generated")
+    project = committed_render(tpl, tmp_path / "project", answers)
     debug = project / "configs" / "debug.toml"
     debug.write_text(debug.read_text().replace("steps = 40", "steps = 77  # the user's choice"))
     (project / "NOTES.md").write_text("my notes\n")

@@ -28,37 +28,31 @@ from .models import build_model
 
 logger = logging.getLogger(__name__)
 
-# This repo's names -> Hugging Face LlamaForCausalLM names. Both use the rotate-half rotary
-# layout, so weights need renaming only, never permuting.
-_TO_HF = [
-    (r"tok_embeddings\.weight", "model.embed_tokens.weight"),
-    (r"layers\.(\d+)\.attention\.w([qkvo])\.weight", r"model.layers.\1.self_attn.\2_proj.weight"),
-    (r"layers\.(\d+)\.feed_forward\.w1\.weight", r"model.layers.\1.mlp.gate_proj.weight"),
-    (r"layers\.(\d+)\.feed_forward\.w3\.weight", r"model.layers.\1.mlp.up_proj.weight"),
-    (r"layers\.(\d+)\.feed_forward\.w2\.weight", r"model.layers.\1.mlp.down_proj.weight"),
-    (r"layers\.(\d+)\.attention_norm\.weight", r"model.layers.\1.input_layernorm.weight"),
-    (r"layers\.(\d+)\.ffn_norm\.weight", r"model.layers.\1.post_attention_layernorm.weight"),
-    (r"norm\.weight", "model.norm.weight"),
-    (r"output\.weight", "lm_head.weight"),
+# This repo's parameter names beside Hugging Face LlamaForCausalLM's ({i}: a layer, {x}: q, k, v
+# or o). Both use the rotate-half rotary layout, so weights need renaming only, never permuting.
+_HF_NAMES = [
+    ("tok_embeddings.weight", "model.embed_tokens.weight"),
+    ("layers.{i}.attention.w{x}.weight", "model.layers.{i}.self_attn.{x}_proj.weight"),
+    ("layers.{i}.feed_forward.w1.weight", "model.layers.{i}.mlp.gate_proj.weight"),
+    ("layers.{i}.feed_forward.w3.weight", "model.layers.{i}.mlp.up_proj.weight"),
+    ("layers.{i}.feed_forward.w2.weight", "model.layers.{i}.mlp.down_proj.weight"),
+    ("layers.{i}.attention_norm.weight", "model.layers.{i}.input_layernorm.weight"),
+    ("layers.{i}.ffn_norm.weight", "model.layers.{i}.post_attention_layernorm.weight"),
+    ("norm.weight", "model.norm.weight"),
+    ("output.weight", "lm_head.weight"),
 ]
-_FROM_HF = [
-    (r"model\.embed_tokens\.weight", "tok_embeddings.weight"),
-    (r"model\.layers\.(\d+)\.self_attn\.([qkvo])_proj\.weight", r"layers.\1.attention.w\2.weight"),
-    (r"model\.layers\.(\d+)\.mlp\.gate_proj\.weight", r"layers.\1.feed_forward.w1.weight"),
-    (r"model\.layers\.(\d+)\.mlp\.up_proj\.weight", r"layers.\1.feed_forward.w3.weight"),
-    (r"model\.layers\.(\d+)\.mlp\.down_proj\.weight", r"layers.\1.feed_forward.w2.weight"),
-    (r"model\.layers\.(\d+)\.input_layernorm\.weight", r"layers.\1.attention_norm.weight"),
-    (r"model\.layers\.(\d+)\.post_attention_layernorm\.weight", r"layers.\1.ffn_norm.weight"),
-    (r"model\.norm\.weight", "norm.weight"),
-    (r"lm_head\.weight", "output.weight"),
-]
+_FIELDS = {r"\{i\}": r"(?P<i>\d+)", r"\{x\}": r"(?P<x>[qkvo])"}
 
 
-def _rename(name: str, rules: list[tuple[str, str]]) -> str:
-    for pattern, replacement in rules:
-        if re.fullmatch(pattern, name):
-            return re.sub(pattern, replacement, name)
-    raise ValueError(f"no mapping for parameter {name!r}")
+def _rename(name: str, *, to_hf: bool) -> str:
+    for ours, theirs in _HF_NAMES:
+        source, target = (ours, theirs) if to_hf else (theirs, ours)
+        pattern = re.escape(source)
+        for field, group in _FIELDS.items():
+            pattern = pattern.replace(field, group)
+        if match := re.fullmatch(pattern, name):
+            return target.format(**match.groupdict())
+    raise ValueError(f"no Hugging Face name for parameter {name!r}")
 
 
 def hf_config(cfg: ModelConfig) -> dict:
@@ -99,7 +93,7 @@ def save(state: dict[str, torch.Tensor], cfg: ModelConfig, out: Path, fmt: str) 
     tensors = {k: v.detach().cpu().contiguous() for k, v in state.items() if k != tied}
     if fmt == "hf":
         if cfg.name == "llama":
-            tensors = {_rename(k, _TO_HF): v for k, v in tensors.items()}
+            tensors = {_rename(k, to_hf=True): v for k, v in tensors.items()}
             (out / "config.json").write_text(json.dumps(hf_config(cfg), indent=2))
         elif cfg.name == "hf_causal_lm":
             tensors = {k.removeprefix("hf."): v for k, v in tensors.items()}
@@ -120,7 +114,7 @@ def load(path: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     if cfg.name == "hf_causal_lm" and not any(k.startswith("hf.") for k in tensors):
         tensors = {f"hf.{k}": v for k, v in tensors.items()}
     elif cfg.name == "llama" and any(k.startswith("model.") for k in tensors):
-        tensors = {_rename(k, _FROM_HF): v for k, v in tensors.items()}
+        tensors = {_rename(k, to_hf=False): v for k, v in tensors.items()}
     tied = _tied_key(cfg)
     if tied:
         embed = "hf.model.embed_tokens.weight" if cfg.name == "hf_causal_lm" else "tok_embeddings.weight"
