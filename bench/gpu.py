@@ -35,7 +35,8 @@ def main() -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             answers = {"package_name": "bench_gpu", "model_size": "1b", "gpus_per_node": 1, "gpu_memory_gb": 80,
-                       "seq_len": 4096, "micro_batch_size": 2, "mixed_precision": "bf16", "sharding": "full"}  # fmt: skip
+                       "seq_len": 4096, "micro_batch_size": 2, "mixed_precision": "bf16",
+                       "sharding": "full"}  # fmt: skip
             copier.run_copy(str(ROOT), str(project), data=answers, defaults=True, unsafe=False,
                             settings=copier.Settings(), vcs_ref="HEAD", quiet=True)  # fmt: skip
         sys.path.insert(0, str(project / "src"))
