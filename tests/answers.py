@@ -117,7 +117,8 @@ MATRIX = {
 # SMOKE: the smoke test, the FSDP2 rules and the memory plan (about a minute each).
 SMOKE = ["default", "cpu_debug", "ampere_two_nodes_ethernet", "volta_pcie_fp16", "ada_offload",
          "cpu_ddp_bf16_compile", "cpu_hybrid_fp16_offload"]  # fmt: skip
-# FULL: also checkpoints (atomicity, damage, resharding, preemption, export) and error messages.
+# FULL: everything else too: checkpoints (atomicity, damage, resharding, preemption, export),
+# data, uneven inputs, error messages, observability, hardware detection.
 FULL = ["cpu_debug", "ampere_two_nodes_ethernet"]
 # FAULTS: ranks killed at ten points under torchrun --max-restarts (needs env:// rendezvous).
 FAULTS = ["cpu_debug"]

@@ -155,6 +155,7 @@ class CheckpointManager:
         if self.rank == 0:
             # How long the training loop waited: the figure to watch when choosing dcp_async.
             event = {"step": step, "format": self.cfg.format, "blocked_s": time.perf_counter() - started}
+            self.root.mkdir(parents=True, exist_ok=True)  # an async save may not have created it yet
             with (self.root / "events.jsonl").open("a") as f:
                 f.write(json.dumps(event) + "\n")
 
