@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # A model big enough that per-step overheads show, small enough for a 2-core CI box.
 MEDIUM = ["--model.dim", "512", "--model.n_layers", "6", "--model.n_heads", "8", "--model.n_kv_heads", "4",
           "--model.ffn_hidden_dim", "1536", "--model.vocab_size", "8192", "--model.max_seq_len", "256",
-          "--train.seq_len", "256", "--train.micro_batch_size", "4", "--train.global_batch_size", "4"]  # fmt: skip
+          "--train.seq_len", "256", "--train.micro_batch_size", "4"]  # fmt: skip
 
 
 def render(dst: Path, answers: dict) -> float:
@@ -49,8 +49,11 @@ def env_for(project: Path) -> dict:
 def train(project: Path, run: Path, nproc: int, *overrides: str) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            "-m", "bench_pkg.train", "--config", str(project / "configs" / "debug.toml"), "--device", "cpu",
-           "--run_dir", str(run), "--metrics.progress_bar", "False", *MEDIUM, *overrides]  # fmt: skip
-    subprocess.run(cmd, cwd=project, env=env_for(project), check=True, capture_output=True)
+           "--run_dir", str(run), "--metrics.progress_bar", "False", *MEDIUM,
+           "--train.global_batch_size", str(4 * nproc), *overrides]  # fmt: skip
+    done = subprocess.run(cmd, cwd=project, env=env_for(project), capture_output=True, text=True)
+    if done.returncode:
+        sys.exit(f"training failed ({' '.join(cmd)}):\n{done.stderr[-4000:]}")
 
 
 def trainer_step_seconds(project: Path, run: Path, steps: int) -> float:
@@ -87,7 +90,7 @@ print(statistics.median(times[3:]))
 
 def plain_step_seconds(project: Path, steps: int) -> float:
     cmd = [sys.executable, "-c", PLAIN_LOOP, "--config", str(project / "configs" / "debug.toml"), *MEDIUM,
-           "--train.steps", str(steps)]  # fmt: skip
+           "--train.global_batch_size", "4", "--train.steps", str(steps)]  # fmt: skip
     out = subprocess.run(cmd, cwd=project, env=env_for(project), check=True, capture_output=True, text=True)
     return float(out.stdout.strip().splitlines()[-1])
 
