@@ -25,15 +25,25 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch import nn
 from torch.distributed.checkpoint import DefaultLoadPlanner
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from .config import CheckpointConfig
+from .parallelize import unwrap
 
 logger = logging.getLogger(__name__)
 
 MARKER = "COMPLETE.json"
+CHECKPOINT_KEY = "train"
+"""The one top-level key of every checkpoint: DCP saves {"train": TrainState}."""
 
 
 class TrainState(Stateful):
@@ -48,9 +58,15 @@ class TrainState(Stateful):
     def __init__(self, model, optimizer, scheduler, loader, rank: int):
         self.model, self.optimizer, self.scheduler, self.loader = model, optimizer, scheduler, loader
         self.rank, self.step, self.restore_per_rank = rank, 0, True
+        self.saved_keys: set[str] | None = None
+        """Keys of the checkpoint being loaded (DCP metadata); None while saving."""
 
     def state_dict(self) -> dict:
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        if isinstance(self.optimizer, ZeroRedundancyOptimizer):
+            model_state = get_model_state_dict(self.model)
+            optim_state = zero_state_dict(self.model, self.optimizer, self.saved_keys)
+        else:
+            model_state, optim_state = get_state_dict(self.model, self.optimizer)
         state = {
             "model": model_state,
             "optim": optim_state,
@@ -64,7 +80,11 @@ class TrainState(Stateful):
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        if isinstance(self.optimizer, ZeroRedundancyOptimizer):
+            set_model_state_dict(self.model, state["model"])
+            set_zero_state_dict(self.model, self.optimizer, state["optim"])
+        else:
+            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = int(state["step"])
         if not self.loader.rank_sharded:
@@ -73,6 +93,48 @@ class TrainState(Stateful):
             _set_rng_state(state[f"rank{self.rank}"]["rng"])
             if self.loader.rank_sharded:
                 self.loader.load_state_dict(state[f"rank{self.rank}"]["data"])
+
+
+def zero_state_dict(model: nn.Module, optimizer: ZeroRedundancyOptimizer, saved_keys: set[str] | None) -> dict:
+    """ZeroRedundancyOptimizer's state in the layout of torch's distributed state-dict API.
+
+    Each rank holds AdamW state only for the parameters it owns, so it saves those, keyed by
+    parameter name; loading, it asks for the ones it owns now. The layout is get_state_dict's, so
+    a checkpoint moves between world sizes and between ZeRO and plain DDP. ZeRO's own
+    `consolidate_state_dict` would gather everything on one rank and key it by position instead.
+    `saved_keys` (loading only) leaves out parameters with no saved state, as when fp16 has skipped
+    every step so far: they stay without state, as they were.
+    """
+    names = _parameter_names(model)
+    state = {}
+    for param, values in optimizer.optim.state.items():
+        state[names[param]] = values
+    if saved_keys is not None:  # loading: empty tensors of the right shape for DCP to fill
+        state = {}
+        for group in optimizer.optim.param_groups:
+            for param in group["params"]:
+                if f"{CHECKPOINT_KEY}.optim.state.{names[param]}.exp_avg" in saved_keys:
+                    moments = {k: torch.zeros_like(param) for k in ("exp_avg", "exp_avg_sq")}
+                    state[names[param]] = {"step": torch.zeros((), dtype=torch.float32), **moments}
+    groups = [
+        {**{k: v for k, v in group.items() if k != "params"}, "params": [names[p] for p in group["params"]]}
+        for group in optimizer.param_groups
+    ]
+    return {"state": state, "param_groups": groups}
+
+
+def set_zero_state_dict(model: nn.Module, optimizer: ZeroRedundancyOptimizer, optim_state: dict) -> None:
+    """Install the state zero_state_dict() loaded; hyperparameters reach the local optimizer at its next step."""
+    params = {name: param for param, name in _parameter_names(model).items()}
+    for name, values in optim_state["state"].items():
+        optimizer.optim.state[params[name]] = values
+    for group, saved in zip(optimizer.param_groups, optim_state["param_groups"], strict=True):
+        group.update({k: v for k, v in saved.items() if k != "params"})
+
+
+def _parameter_names(model: nn.Module) -> dict[nn.Parameter, str]:
+    """Parameter -> the name get_state_dict uses (DDP's `module.` prefix dropped; a tied one once)."""
+    return {param: name for name, param in unwrap(model).named_parameters()}
 
 
 def _rng_state() -> dict:
@@ -171,10 +233,10 @@ class CheckpointManager:
         partial = self.root / f"{target.name}.partial-{token[0]}"
         state.step = step
         if self.async_group is None:
-            dcp.save({"train": state}, checkpoint_id=partial)
+            dcp.save({CHECKPOINT_KEY: state}, checkpoint_id=partial)
             self._finalize(partial, target, step)
         else:
-            future = dcp.async_save({"train": state}, checkpoint_id=partial, process_group=self.async_group)
+            future = dcp.async_save({CHECKPOINT_KEY: state}, checkpoint_id=partial, process_group=self.async_group)
             self.pending = (future, partial, target, step)
 
     def wait(self) -> None:
@@ -226,8 +288,9 @@ class CheckpointManager:
                 "position reshard; per-rank %s do not and are not restored",
                 path, saved_world, self.world_size, per_rank,
             )  # fmt: skip
-        dcp.load({"train": state}, checkpoint_id=path, planner=WeightsOnlyLoadPlanner())
-        state.restore_per_rank = True
+        state.saved_keys = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+        dcp.load({CHECKPOINT_KEY: state}, checkpoint_id=path, planner=WeightsOnlyLoadPlanner())
+        state.restore_per_rank, state.saved_keys = True, None
         logger.info("resumed from %s at step %d", path, state.step)
 
     def close(self) -> None:

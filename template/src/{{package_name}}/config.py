@@ -104,6 +104,8 @@ class ParallelConfig:
     """Compute dtype of the unsharded parameters; gradients are reduced and kept in fp32."""
     cpu_offload: bool = False
     """Keep sharded parameters, gradients and optimizer state in host memory (CPUOffloadPolicy)."""
+    zero_optimizer: bool = False
+    """no_shard only: split AdamW's state across ranks with ZeroRedundancyOptimizer (ZeRO-1)."""
     activation_checkpointing: Literal["none", "selective", "full"] = "none"
     """Recompute activations in backward: none, selective (keep matmul/attention outputs), full (keep block inputs)."""
     grad_sync_every_microbatch: bool = False
@@ -248,6 +250,11 @@ class Config:
         require(
             not (p.cpu_offload and p.sharding == "no_shard"),
             "parallel.cpu_offload needs a sharded mode: no_shard (DDP) keeps everything on the device",
+        )
+        require(
+            not (p.zero_optimizer and p.sharding != "no_shard"),
+            f"parallel.zero_optimizer needs parallel.sharding=no_shard: sharding={p.sharding} already splits the "
+            "optimizer state",
         )
         require(c.interval > 0, f"checkpoint.interval={c.interval} must be positive")
         require(c.keep_last >= 1, f"checkpoint.keep_last={c.keep_last} must be at least 1")

@@ -17,6 +17,8 @@ dtype of p bytes and T = micro_batch_size * seq_len tokens, bytes per rank are:
     params, grads, optim   4P, 4P and 8P over the G ranks of a shard group: fp32 parameters,
                  gradients and AdamW's two moments (on the host with CPU offload). FSDP2 keeps
                  sharded parameters in their original dtype: these are the fp32 master weights.
+                 DDP with parallel.zero_optimizer splits only the 8P over all ranks (ZeRO-1;
+                 ZeroRedundancyOptimizer hands out whole parameters, so a rank may own a little more).
     gathered     parameters all-gathered in the compute dtype: 2 Pb p + Pn p for full and hybrid
                  (the running and the prefetched block, plus the embedding/head group), P p for
                  shard_grad_op (nothing is freed until backward), P p for DDP under autocast.
@@ -124,11 +126,14 @@ def shard_group(sharding: str, gpus_per_node: int, num_nodes: int) -> int:
 def memory_plan(
     s: ModelShape, *, seq_len: int, micro_batch_size: int, precision: str, ac: str, sharding: str,
     cpu_offload: bool, gpus_per_node: int, num_nodes: int, grad_accum: int = 1, sync_every_microbatch: bool = False,
+    zero_optimizer: bool = False,
 ) -> MemoryPlan:  # fmt: skip
     """Bytes per rank of each term (see the module docstring)."""
     p = 4 if precision == "fp32" else 2
     group = shard_group(sharding, gpus_per_node, num_nodes)
     params, grads, optim = 4 * s.P / group, 4 * s.P / group, 8 * s.P / group
+    if sharding == "no_shard" and zero_optimizer:
+        optim = 8 * s.P / (gpus_per_node * num_nodes)
     if grad_accum == 1 or (cpu_offload and (sync_every_microbatch or sharding == "hybrid")):
         grads_live = 0
     elif sharding in ("no_shard", "hybrid") or sync_every_microbatch:
@@ -177,8 +182,9 @@ def grad_accum(cfg: Config) -> int:
 
 
 def plan_for(
-    cfg: Config, *, sharding: str | None = None, cpu_offload: bool | None = None, ac: str | None = None
-) -> MemoryPlan:
+    cfg: Config, *, sharding: str | None = None, cpu_offload: bool | None = None, ac: str | None = None,
+    zero_optimizer: bool | None = None,
+) -> MemoryPlan:  # fmt: skip
     """The memory plan of `cfg` on its planned hardware, optionally with other choices."""
     p, hw, t = cfg.parallel, cfg.hardware, cfg.train
     return memory_plan(
@@ -187,6 +193,7 @@ def plan_for(
         cpu_offload=p.cpu_offload if cpu_offload is None else cpu_offload,
         gpus_per_node=hw.gpus_per_node, num_nodes=hw.num_nodes,
         grad_accum=grad_accum(cfg), sync_every_microbatch=p.grad_sync_every_microbatch,
+        zero_optimizer=p.zero_optimizer if zero_optimizer is None else zero_optimizer,
     )  # fmt: skip
 
 
@@ -194,7 +201,8 @@ def recommend(cfg: Config) -> tuple[str, str, bool]:
     """The cheapest (activation checkpointing, sharding, offload) that fits the device.
 
     Sharding harder is tried before recomputing (recomputation costs every step), and CPU
-    offload only when nothing else fits.
+    offload only when nothing else fits. DDP with a ZeRO optimizer is never the pick:
+    shard_grad_op splits the gradients as well, for about the same traffic.
     """
     hw = cfg.hardware
     if hw.accelerator == "cpu":
@@ -204,21 +212,25 @@ def recommend(cfg: Config) -> tuple[str, str, bool]:
             for sharding in sharding_candidates(hw.num_nodes, hw.inter_node_link):
                 if offload and sharding == "no_shard":
                     continue
-                if plan_for(cfg, sharding=sharding, cpu_offload=offload, ac=ac).fits(hw.gpu_memory_gb):
+                plan = plan_for(cfg, sharding=sharding, cpu_offload=offload, ac=ac, zero_optimizer=False)
+                if plan.fits(hw.gpu_memory_gb):
                     return ac, sharding, offload
     return "full", "full", True
 
 
-def communication_bytes(s: ModelShape, sharding: str, precision: str, gpus_per_node: int, num_nodes: int) -> dict:
+def communication_bytes(
+    s: ModelShape, sharding: str, precision: str, gpus_per_node: int, num_nodes: int, zero_optimizer: bool = False
+) -> dict:
     """Bytes each rank sends per optimizer step, within a node and across nodes (ring collectives).
 
     full and hybrid gather parameters twice (forward and backward) and reduce-scatter fp32
-    gradients once; shard_grad_op gathers once; DDP all-reduces fp32 gradients (2x the data).
+    gradients once; shard_grad_op gathers once; DDP all-reduces fp32 gradients (2x the data),
+    and with ZeRO also broadcasts the fp32 parameters each rank updated.
     """
     p = 4 if precision == "fp32" else 2
     world = gpus_per_node * num_nodes
     if sharding == "no_shard":
-        volume, group = 2 * s.P * 4, world
+        volume, group = (3 if zero_optimizer else 2) * s.P * 4, world
     elif sharding == "shard_grad_op":
         volume, group = s.P * (p + 4), world
     else:
@@ -229,13 +241,13 @@ def communication_bytes(s: ModelShape, sharding: str, precision: str, gpus_per_n
     return {"intra": sent if num_nodes == 1 else 0.0, "inter": sent if num_nodes > 1 else 0.0}
 
 
-def step_seconds(s: ModelShape, cfg: Config, sharding: str) -> tuple[float, float]:
+def step_seconds(s: ModelShape, cfg: Config, sharding: str, zero_optimizer: bool = False) -> tuple[float, float]:
     """(compute, communication) seconds per step, assuming 40% MFU and the link speeds above."""
     hw, t = cfg.hardware, cfg.train
     world = hw.gpus_per_node * hw.num_nodes
     tokens_per_rank = t.global_batch_size * t.seq_len / world
     compute = 6 * s.P * tokens_per_rank / (0.4 * ARCH_TFLOPS.get(hw.gpu_arch, 312.0) * 1e12)
-    sent = communication_bytes(s, sharding, cfg.parallel.mixed_precision, hw.gpus_per_node, hw.num_nodes)
+    sent = communication_bytes(s, sharding, cfg.parallel.mixed_precision, hw.gpus_per_node, hw.num_nodes, zero_optimizer)
     comm = sent["intra"] / (LINK_GBPS[hw.intra_node_link] * 1e9) + sent["inter"] / (LINK_GBPS[hw.inter_node_link] * 1e9)
     return compute, comm
 
@@ -315,21 +327,22 @@ def format_table(cfg: Config) -> str:
             "comm/compute",
         ),  # fmt: skip
     ]
-    for sharding in [x for x in SHARDINGS if x != "hybrid" or hw.num_nodes > 1]:
-        for offload in (False, True) if sharding != "no_shard" else (False,):
-            m = plan_for(cfg, sharding=sharding, cpu_offload=offload)
-            compute, comm = step_seconds(s, cfg, sharding)
-            sent = sum(communication_bytes(s, sharding, p.mixed_precision, hw.gpus_per_node, hw.num_nodes).values())
-            fits = "yes" if not hw.gpu_memory_gb or m.fits(hw.gpu_memory_gb) else "no"
-            resident = 0 if offload else m.params + m.optim
-            sizes = [
-                f"{b / unit:.1f}" for b in (resident, m.grads_live, m.gathered + m.gradbuf, m.activations, m.total)
-            ]
-            chosen = "   <- this config" if (sharding, offload) == (p.sharding, p.cpu_offload) else ""
-            row = line(
-                sharding, "yes" if offload else "no", *sizes, f"  {fits}", f"{sent / 1e9:.1f}", f"{comm / compute:.2f}"
-            )
-            rows.append(row + chosen)
+    choices = [("no_shard", False, False), ("no_shard", False, True)] + [
+        (x, offload, False) for x in SHARDINGS[1:] if x != "hybrid" or hw.num_nodes > 1 for offload in (False, True)
+    ]
+    for sharding, offload, zero in choices:
+        m = plan_for(cfg, sharding=sharding, cpu_offload=offload, zero_optimizer=zero)
+        compute, comm = step_seconds(s, cfg, sharding, zero)
+        sent = communication_bytes(s, sharding, p.mixed_precision, hw.gpus_per_node, hw.num_nodes, zero)
+        fits = "yes" if not hw.gpu_memory_gb or m.fits(hw.gpu_memory_gb) else "no"
+        resident = 0 if offload else m.params + m.optim
+        sizes = [f"{b / unit:.1f}" for b in (resident, m.grads_live, m.gathered + m.gradbuf, m.activations, m.total)]
+        chosen = "   <- this config" if (sharding, offload, zero) == (p.sharding, p.cpu_offload, p.zero_optimizer) else ""
+        name = sharding + ("+zero" if zero else "")
+        row = line(
+            name, "yes" if offload else "no", *sizes, f"  {fits}", f"{sum(sent.values()) / 1e9:.1f}", f"{comm / compute:.2f}"
+        )
+        rows.append(row + chosen)
     ac, sharding, offload = recommend(cfg)
     rows += [
         "",

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.algorithms.join import Join
 from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 from tqdm.contrib.logging import logging_redirect_tqdm
 
@@ -104,6 +105,8 @@ def build_optimizer(cfg: Config, model: nn.Module):
     """AdamW over the sharded parameters, with linear warm-up and cosine decay.
 
     Built after sharding, so its state is created for (and sharded like) the DTensor parameters.
+    With parallel.zero_optimizer (DDP), each rank keeps AdamW state only for the parameters it owns,
+    steps those and broadcasts them (ZeroRedundancyOptimizer).
     """
     t = cfg.train
     params = list(model.parameters())
@@ -111,7 +114,10 @@ def build_optimizer(cfg: Config, model: nn.Module):
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": t.weight_decay},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
-    optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=t.betas)
+    if cfg.parallel.zero_optimizer:
+        optimizer = ZeroRedundancyOptimizer(groups, torch.optim.AdamW, lr=t.lr, betas=t.betas)
+    else:
+        optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=t.betas)
 
     def lr_factor(done: int) -> float:
         if done < t.warmup_steps:
@@ -246,7 +252,10 @@ def main(argv: list[str] | None = None) -> None:
         joining = cfg.data.uneven_inputs == "join" and loader.rank_sharded
         last = cfg.train.steps if joining else agree_on_steps(loader, cfg.train.steps, env.device)
         control = LoopControl(env.device, cfg.metrics.log_every, step)
-        uneven = Join([model, control], throw_on_early_termination=cfg.data.join_throw) if joining else nullcontext()
+        # The order of the joinables is the order of each step's collectives: DDP's gradient
+        # all-reduce, ZeRO's parameter broadcast, then the loop's own.
+        joinables = [model, optimizer, control] if cfg.parallel.zero_optimizer else [model, control]
+        uneven = Join(joinables, throw_on_early_termination=cfg.data.join_throw) if joining else nullcontext()
         with logging_redirect_tqdm(), uneven:
             while step < last:
                 try:

@@ -22,7 +22,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from .checkpoint import WeightsOnlyLoadPlanner
+from .checkpoint import CHECKPOINT_KEY, WeightsOnlyLoadPlanner
 from .config import Config, ModelConfig, load_config
 from .models import build_model
 
@@ -154,9 +154,9 @@ def load_checkpoint(path: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """The model weights of a distributed checkpoint, resharded into one process (no process group)."""
     with torch.device("cpu"):
         model = build_model(cfg)
-    state = {"train": {"model": model.state_dict()}}
+    state = {CHECKPOINT_KEY: {"model": model.state_dict()}}
     dcp.load(state, checkpoint_id=path, planner=WeightsOnlyLoadPlanner(), no_dist=True)
-    return state["train"]["model"]
+    return state[CHECKPOINT_KEY]["model"]
 
 
 def main(argv: list[str] | None = None) -> None:
