@@ -75,11 +75,12 @@ MATRIX = {
         "backend": "mpi",
         "mixed_precision": "fp16",
     },
-    # CPU ranks: DDP in bf16 under autocast, compiled blocks, tcp rendezvous.
+    # CPU ranks: DDP with the ZeRO optimizer in bf16 under autocast, compiled blocks, tcp rendezvous.
     "cpu_ddp_bf16_compile": {
         "accelerator": "cpu",
         "model_size": "debug",
         "sharding": "no_shard",
+        "zero_optimizer": True,
         "mixed_precision": "bf16",
         "compile": True,
         "init_method": "tcp",
@@ -111,7 +112,8 @@ MATRIX = {
 }
 
 # Renders whose generated tests run here, on CPU ranks with gloo. Together they cover every
-# sharding mode, precision, AC mode, offload, compile, rendezvous and checkpoint format; the
+# sharding mode (DDP with the ZeRO optimizer; the strategies table runs DDP without it too),
+# precision, AC mode, offload, compile, rendezvous and checkpoint format; the
 # others differ only in values a CPU run does not reach (backend names, GPU sizes), or, for
 # turing_mpi_ddp, need an MPI build of PyTorch.
 # SMOKE: the smoke test, the FSDP2 rules and the memory plan (about a minute each).

@@ -41,6 +41,7 @@ CHANGE = {
     "activation_checkpointing": ({}, "full"),
     "sharding": ({}, "shard_grad_op"),
     "cpu_offload": ({}, True),
+    "zero_optimizer": ({"sharding": "no_shard", "activation_checkpointing": "full"}, True),
     "compile": ({}, False),
     "backend": ({}, "gloo"),
     "init_method": ({}, "tcp"),

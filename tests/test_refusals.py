@@ -23,9 +23,14 @@ REFUSED = {
         "GiB per GPU",
     ),
     "8b_ddp_does_not_fit": (
-        {"model_size": "8b", "sharding": "no_shard", "activation_checkpointing": "full"},
+        {"model_size": "8b", "sharding": "no_shard", "activation_checkpointing": "selective"},
         "sharding",
         "you have 80",
+    ),
+    "8b_ddp_fits_only_with_zero": (
+        {"model_size": "8b", "sharding": "no_shard", "activation_checkpointing": "full"},
+        "zero_optimizer",
+        "choose zero_optimizer=true to split AdamW's state over the ranks (69.8 GiB)",
     ),
     "offload_with_ddp": (
         {"model_size": "debug", "sharding": "no_shard", "cpu_offload": True},

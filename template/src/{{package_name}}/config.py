@@ -252,6 +252,12 @@ class Config:
             "parallel.cpu_offload needs a sharded mode: no_shard (DDP) keeps everything on the device",
         )
         require(
+            not (d.uneven_inputs == "join" and p.zero_optimizer and not d.join_throw),
+            "data.uneven_inputs=join with parallel.zero_optimizer needs data.join_throw=true: ZeRO's join hook steps "
+            "a finished rank's share of the parameters without gradients, so that share would silently stop "
+            "training while the other ranks go on; or use data.uneven_inputs=min",
+        )
+        require(
             not (p.zero_optimizer and p.sharding != "no_shard"),
             f"parallel.zero_optimizer needs parallel.sharding=no_shard: sharding={p.sharding} already splits the "
             "optimizer state",

@@ -247,7 +247,8 @@ def step_seconds(s: ModelShape, cfg: Config, sharding: str, zero_optimizer: bool
     world = hw.gpus_per_node * hw.num_nodes
     tokens_per_rank = t.global_batch_size * t.seq_len / world
     compute = 6 * s.P * tokens_per_rank / (0.4 * ARCH_TFLOPS.get(hw.gpu_arch, 312.0) * 1e12)
-    sent = communication_bytes(s, sharding, cfg.parallel.mixed_precision, hw.gpus_per_node, hw.num_nodes, zero_optimizer)
+    precision = cfg.parallel.mixed_precision
+    sent = communication_bytes(s, sharding, precision, hw.gpus_per_node, hw.num_nodes, zero_optimizer)
     comm = sent["intra"] / (LINK_GBPS[hw.intra_node_link] * 1e9) + sent["inter"] / (LINK_GBPS[hw.inter_node_link] * 1e9)
     return compute, comm
 
@@ -337,12 +338,10 @@ def format_table(cfg: Config) -> str:
         fits = "yes" if not hw.gpu_memory_gb or m.fits(hw.gpu_memory_gb) else "no"
         resident = 0 if offload else m.params + m.optim
         sizes = [f"{b / unit:.1f}" for b in (resident, m.grads_live, m.gathered + m.gradbuf, m.activations, m.total)]
-        chosen = "   <- this config" if (sharding, offload, zero) == (p.sharding, p.cpu_offload, p.zero_optimizer) else ""
-        name = sharding + ("+zero" if zero else "")
-        row = line(
-            name, "yes" if offload else "no", *sizes, f"  {fits}", f"{sum(sent.values()) / 1e9:.1f}", f"{comm / compute:.2f}"
-        )
-        rows.append(row + chosen)
+        this = (sharding, offload, zero) == (p.sharding, p.cpu_offload, p.zero_optimizer)
+        name, sent_gb = sharding + ("+zero" if zero else ""), sum(sent.values()) / 1e9
+        row = line(name, "yes" if offload else "no", *sizes, f"  {fits}", f"{sent_gb:.1f}", f"{comm / compute:.2f}")
+        rows.append(row + ("   <- this config" if this else ""))
     ac, sharding, offload = recommend(cfg)
     rows += [
         "",

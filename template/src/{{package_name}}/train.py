@@ -215,6 +215,19 @@ def build_step_context(cfg: Config, env: DistEnv) -> StepContext:
     )
 
 
+def build_join(cfg: Config, model: nn.Module, optimizer, control: LoopControl, joining: bool):
+    """Join for DDP ranks whose data may run out (data.uneven_inputs=join); a no-op context otherwise.
+
+    The joinables are listed in the order of each step's collectives: DDP's gradient all-reduce,
+    ZeRO's parameter broadcast, then the loop's own.
+    """
+    if not joining:
+        return nullcontext()
+    zero = isinstance(optimizer, ZeroRedundancyOptimizer)
+    joinables = [model, optimizer, control] if zero else [model, control]
+    return Join(joinables, throw_on_early_termination=cfg.data.join_throw)
+
+
 def build_metrics(cfg: Config, env: DistEnv, model: nn.Module, start_step: int) -> MetricsLogger:
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -252,11 +265,7 @@ def main(argv: list[str] | None = None) -> None:
         joining = cfg.data.uneven_inputs == "join" and loader.rank_sharded
         last = cfg.train.steps if joining else agree_on_steps(loader, cfg.train.steps, env.device)
         control = LoopControl(env.device, cfg.metrics.log_every, step)
-        # The order of the joinables is the order of each step's collectives: DDP's gradient
-        # all-reduce, ZeRO's parameter broadcast, then the loop's own.
-        joinables = [model, optimizer, control] if cfg.parallel.zero_optimizer else [model, control]
-        uneven = Join(joinables, throw_on_early_termination=cfg.data.join_throw) if joining else nullcontext()
-        with logging_redirect_tqdm(), uneven:
+        with logging_redirect_tqdm(), build_join(cfg, model, optimizer, control, joining):
             while step < last:
                 try:
                     batches = metrics.timed(loader.next_batches)
@@ -288,7 +297,8 @@ def main(argv: list[str] | None = None) -> None:
         any_rank(False, env.device)  # no rank tears down while another is still communicating
     finally:
         # Release the model before the process group: a DDP reducer that outlives the group
-        # deadlocks gloo's teardown (it joins worker threads while holding the GIL).
+        # deadlocks gloo's teardown (it joins worker threads while holding the GIL). So nothing
+        # else in main() may keep a reference to the model (build_join's Join lives in the with).
         del model, state
         dist.destroy_process_group()
 
