@@ -99,23 +99,23 @@ def test_accumulation_without_sync_keeps_unsharded_gradients(plan):
 
 GRID = list(itertools.product(
     PRESETS, ["bf16", "fp16", "fp32"], ["none", "selective", "full"], ["full", "shard_grad_op", "hybrid", "no_shard"],
-    [False, True], [(1, 1), (8, 1), (8, 4)], [1, 4], [False, True],
+    [False, True], [(1, 1), (8, 1), (8, 4)], [1, 4], [False, True], [False, True],
 ))  # fmt: skip
 
 
 def test_question_time_and_run_time_memory_agree(plan):
     fields = ["params", "grads", "optim", "grads_live", "gathered", "gradbuf", "activations", "host", "total"]
     checked = 0
-    for preset, precision, ac, sharding, offload, (gpus, nodes), accum, sync in GRID:
-        if offload and sharding == "no_shard":
+    for preset, precision, ac, sharding, offload, (gpus, nodes), accum, sync, zero in GRID:
+        if sharding == "no_shard" and offload or sharding != "no_shard" and zero:
             continue
         seq, mbs = PRESETS[preset]["seq_len"], PRESETS[preset]["micro_batch_size"]
         q = json.loads(
-            jinja("memory_plan", preset, seq, mbs, precision, ac, sharding, offload, gpus, nodes, accum, sync)
+            jinja("memory_plan", preset, seq, mbs, precision, ac, sharding, offload, gpus, nodes, accum, sync, zero)
         )
         r = plan.memory_plan(shape(plan, preset), seq_len=seq, micro_batch_size=mbs, precision=precision, ac=ac,
                              sharding=sharding, cpu_offload=offload, gpus_per_node=gpus, num_nodes=nodes,
-                             grad_accum=accum, sync_every_microbatch=sync)  # fmt: skip
+                             grad_accum=accum, sync_every_microbatch=sync, zero_optimizer=zero)  # fmt: skip
         for name in fields:
             assert q[name] == pytest.approx(getattr(r, name), rel=1e-12), (preset, precision, ac, sharding, name)
         checked += 1
@@ -143,3 +143,25 @@ def test_question_time_and_run_time_recommendations_agree(plan, tmp_path):
         )
         ac, sharding, offload = plan.recommend(cfg)
         assert q == f"{ac},{sharding},{str(offload).lower()}", (preset, precision, gpus, nodes, memory, link)
+
+
+def test_question_time_and_run_time_communication_agree(plan):
+    checked = 0
+    for preset, sharding, precision, (gpus, nodes), zero in itertools.product(
+        PRESETS,
+        ["full", "shard_grad_op", "hybrid", "no_shard"],
+        ["bf16", "fp32"],
+        [(1, 1), (8, 1), (8, 4)],
+        [False, True],
+    ):
+        if zero and sharding != "no_shard":
+            continue
+        q = json.loads(jinja("communication", preset, sharding, precision, gpus, nodes, zero))
+        r = plan.communication_bytes(shape(plan, preset), sharding, precision, gpus, nodes, zero)
+        assert q == pytest.approx(r, rel=1e-12), (preset, sharding, precision, gpus, nodes, zero)
+        checked += 1
+    assert checked > 100
+    # ZeRO adds one broadcast of the fp32 parameters to DDP's all-reduce: 3 instead of 2 times 4P (N-1)/N.
+    s = shape(plan, "8b")
+    ddp, zero = (plan.communication_bytes(s, "no_shard", "bf16", 8, 1, z)["intra"] for z in (False, True))
+    assert zero / ddp == pytest.approx(1.5) and ddp == pytest.approx(2 * 4 * s.P * 7 / 8)
