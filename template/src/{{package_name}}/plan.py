@@ -202,7 +202,8 @@ def recommend(cfg: Config) -> tuple[str, str, bool]:
 
     Sharding harder is tried before recomputing (recomputation costs every step), and CPU
     offload only when nothing else fits. DDP with a ZeRO optimizer is never the pick:
-    shard_grad_op splits the gradients as well, for about the same traffic.
+    shard_grad_op splits the gradients as well, and sends less (one all-gather and a
+    reduce-scatter against an all-reduce and a broadcast).
     """
     hw = cfg.hardware
     if hw.accelerator == "cpu":
