@@ -85,6 +85,17 @@ def test_offload_moves_the_model_state_to_the_host(plan):
     assert on.total - off.total == pytest.approx(12 * s.P / 8)
 
 
+def test_explicit_prefetch_holds_more_gathered_blocks(plan):
+    s = shape(plan, "8b")
+    kw = dict(seq_len=8192, micro_batch_size=1, precision="bf16", ac="full", cpu_offload=False, gpus_per_node=8,
+              num_nodes=1)  # fmt: skip
+    implicit, one, three = (plan.memory_plan(s, sharding="full", prefetch_blocks=n, **kw) for n in (0, 1, 3))
+    assert implicit.gathered == one.gathered == 2 * s.Pb * 2 + s.Pn * 2  # running block + the one prefetched
+    assert three.gathered - implicit.gathered == 2 * s.Pb * 2  # two more bf16 blocks
+    # shard_grad_op keeps every block gathered from forward to backward anyway.
+    assert plan.memory_plan(s, sharding="shard_grad_op", prefetch_blocks=3, **kw).gathered == s.P * 2
+
+
 def test_accumulation_without_sync_keeps_unsharded_gradients(plan):
     s = shape(plan, "1b")
     kw = dict(
@@ -99,23 +110,39 @@ def test_accumulation_without_sync_keeps_unsharded_gradients(plan):
 
 GRID = list(itertools.product(
     PRESETS, ["bf16", "fp16", "fp32"], ["none", "selective", "full"], ["full", "shard_grad_op", "hybrid", "no_shard"],
-    [False, True], [(1, 1), (8, 1), (8, 4)], [1, 4], [False, True], [False, True],
+    [False, True], [(1, 1), (8, 1), (8, 4)], [1, 4], [False, True], [False, True], [0, 3],
 ))  # fmt: skip
 
 
 def test_question_time_and_run_time_memory_agree(plan):
     fields = ["params", "grads", "optim", "grads_live", "gathered", "gradbuf", "activations", "host", "total"]
     checked = 0
-    for preset, precision, ac, sharding, offload, (gpus, nodes), accum, sync, zero in GRID:
-        if sharding == "no_shard" and offload or sharding != "no_shard" and zero:
+    for preset, precision, ac, sharding, offload, (gpus, nodes), accum, sync, zero, prefetch in GRID:
+        if sharding == "no_shard" and (offload or prefetch) or sharding != "no_shard" and zero:
             continue
         seq, mbs = PRESETS[preset]["seq_len"], PRESETS[preset]["micro_batch_size"]
         q = json.loads(
-            jinja("memory_plan", preset, seq, mbs, precision, ac, sharding, offload, gpus, nodes, accum, sync, zero)
+            jinja(
+                "memory_plan",
+                preset,
+                seq,
+                mbs,
+                precision,
+                ac,
+                sharding,
+                offload,
+                gpus,
+                nodes,
+                accum,
+                sync,
+                zero,
+                prefetch,
+            )  # fmt: skip
         )
         r = plan.memory_plan(shape(plan, preset), seq_len=seq, micro_batch_size=mbs, precision=precision, ac=ac,
                              sharding=sharding, cpu_offload=offload, gpus_per_node=gpus, num_nodes=nodes,
-                             grad_accum=accum, sync_every_microbatch=sync, zero_optimizer=zero)  # fmt: skip
+                             grad_accum=accum, sync_every_microbatch=sync, zero_optimizer=zero,
+                             prefetch_blocks=prefetch)  # fmt: skip
         for name in fields:
             assert q[name] == pytest.approx(getattr(r, name), rel=1e-12), (preset, precision, ac, sharding, name)
         checked += 1

@@ -100,6 +100,8 @@ class ParallelConfig:
     """Ranks per shard group for hybrid; 0 uses the ranks of one node (LOCAL_WORLD_SIZE)."""
     reshard_size: int = 0
     """After forward, keep blocks gathered over groups of this many ranks (ZeRO++ hpZ); 0 follows sharding."""
+    prefetch_blocks: int = 0
+    """All-gather this many blocks ahead, issued explicitly (behind, in backward); 0 keeps FSDP's implicit one."""
     mixed_precision: Precision = "fp32"
     """Compute dtype of the unsharded parameters; gradients are reduced and kept in fp32."""
     cpu_offload: bool = False
@@ -261,6 +263,11 @@ class Config:
             not (p.zero_optimizer and p.sharding != "no_shard"),
             f"parallel.zero_optimizer needs parallel.sharding=no_shard: sharding={p.sharding} already splits the "
             "optimizer state",
+        )
+        require(p.prefetch_blocks >= 0, f"parallel.prefetch_blocks={p.prefetch_blocks} must be 0 or more")
+        require(
+            p.prefetch_blocks == 0 or p.sharding != "no_shard",
+            "parallel.prefetch_blocks needs a sharded mode: no_shard (DDP) gathers no parameters",
         )
         require(c.interval > 0, f"checkpoint.interval={c.interval} must be positive")
         require(c.keep_last >= 1, f"checkpoint.keep_last={c.keep_last} must be at least 1")

@@ -20,7 +20,8 @@ dtype of p bytes and T = micro_batch_size * seq_len tokens, bytes per rank are:
                  DDP with parallel.zero_optimizer splits only the 8P over all ranks (ZeRO-1;
                  ZeroRedundancyOptimizer hands out whole parameters, so a rank may own a little more).
     gathered     parameters all-gathered in the compute dtype: 2 Pb p + Pn p for full and hybrid
-                 (the running and the prefetched block, plus the embedding/head group), P p for
+                 (the running and the prefetched block, plus the embedding/head group; (1 + n) Pb p
+                 with parallel.prefetch_blocks = n >= 2), P p for
                  shard_grad_op (nothing is freed until backward), P p for DDP under autocast.
     gradbuf      Pb (p + 4): one block's unsharded gradient and its fp32 reduce-scatter input.
     activations  T [L a + V (p + 12)], where the V term is the logits, their fp32 copy, the
@@ -126,7 +127,7 @@ def shard_group(sharding: str, gpus_per_node: int, num_nodes: int) -> int:
 def memory_plan(
     s: ModelShape, *, seq_len: int, micro_batch_size: int, precision: str, ac: str, sharding: str,
     cpu_offload: bool, gpus_per_node: int, num_nodes: int, grad_accum: int = 1, sync_every_microbatch: bool = False,
-    zero_optimizer: bool = False,
+    zero_optimizer: bool = False, prefetch_blocks: int = 0,
 ) -> MemoryPlan:  # fmt: skip
     """Bytes per rank of each term (see the module docstring)."""
     p = 4 if precision == "fp32" else 2
@@ -145,7 +146,7 @@ def memory_plan(
     elif sharding == "no_shard":
         gathered = s.P * p if p < 4 else 0
     else:
-        gathered = 2 * s.Pb * p + s.Pn * p
+        gathered = (1 + max(prefetch_blocks, 1)) * s.Pb * p + s.Pn * p
     gradbuf = 0 if sharding == "no_shard" else s.Pb * (p + 4)
     full_layer = activation_bytes_per_token(s, precision, "none")
     tokens = (s.tokens or seq_len) * micro_batch_size
@@ -194,6 +195,7 @@ def plan_for(
         gpus_per_node=hw.gpus_per_node, num_nodes=hw.num_nodes,
         grad_accum=grad_accum(cfg), sync_every_microbatch=p.grad_sync_every_microbatch,
         zero_optimizer=p.zero_optimizer if zero_optimizer is None else zero_optimizer,
+        prefetch_blocks=p.prefetch_blocks,
     )  # fmt: skip
 
 
