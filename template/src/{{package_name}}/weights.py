@@ -7,6 +7,9 @@ offline, in one process, without a GPU:
 
     python -m <package>.weights --config configs/debug.toml --checkpoint runs/debug/checkpoints/step_00000040 \
         --to hf --out exported/
+
+`--to torch` writes the whole checkpoint, optimizer and all, for any model, as one torch.save file
+(`format_utils.dcp_to_torch_save`'s conversion, read weights-only): `exported/checkpoint.pt`.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from .checkpoint import CHECKPOINT_KEY, WeightsOnlyLoadPlanner
+from .checkpoint import CHECKPOINT_KEY, WeightsOnlyLoadPlanner, to_torch_save
 from .config import Config, ModelConfig, load_config
 from .models import build_model
 
@@ -162,11 +165,14 @@ def load_checkpoint(path: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Export a distributed checkpoint's weights.", add_help=False)
     parser.add_argument("--checkpoint", type=Path, required=True, help="a checkpoint directory (step_XXXXXXXX)")
-    parser.add_argument("--to", choices=["safetensors", "hf"], default="hf")
+    parser.add_argument("--to", choices=["safetensors", "hf", "torch"], default="hf")
     parser.add_argument("--out", type=Path, required=True)
     args, rest = parser.parse_known_args(argv)
-    cfg = load_config(rest)
-    written = save(load_checkpoint(args.checkpoint, cfg.model), cfg.model, args.out, args.to)
+    if args.to == "torch":
+        written = to_torch_save(args.checkpoint, args.out / "checkpoint.pt")
+    else:
+        cfg = load_config(rest)
+        written = save(load_checkpoint(args.checkpoint, cfg.model), cfg.model, args.out, args.to)
     print(f"wrote {written}")
 
 
