@@ -139,17 +139,20 @@ def _parameter_names(model: nn.Module) -> dict[nn.Parameter, str]:
 
 
 def _rng_state() -> dict:
+    """This rank's generators: CPU, Python's, and the accelerator's (CUDA or XPU) when there is one."""
     state = {"torch": torch.get_rng_state(), "python": random.getstate()[1]}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
+    accelerator = torch.accelerator.current_accelerator()
+    if accelerator is not None:
+        state[accelerator.type] = torch.get_device_module(accelerator).get_rng_state()
     return state
 
 
 def _set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate((3, tuple(state["python"]), None))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+    accelerator = torch.accelerator.current_accelerator()
+    if accelerator is not None and accelerator.type in state:
+        torch.get_device_module(accelerator).set_rng_state(state[accelerator.type])
 
 
 class WeightsOnlyLoadPlanner(DefaultLoadPlanner):

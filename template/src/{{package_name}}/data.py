@@ -62,7 +62,7 @@ class MemmapTokens:
 
     def __init__(self, path: Path, dtype: str, seq_len: int, seed: int, part: tuple[int, int] | None = None):
         if not path.is_file():
-            raise ValueError(f"data.path={path}: no such token file (python -m <package>.data prepare writes one)")
+            raise ValueError(f"data.path={path}: no such token file (python -m {__package__}.data prepare writes one)")
         tokens = np.memmap(path, dtype=dtype, mode="r")
         if part is not None:  # this rank's contiguous slice of one shared file
             index, count = part

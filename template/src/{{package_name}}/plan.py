@@ -292,7 +292,7 @@ def check_plan(cfg: Config, world_size: int, device: torch.device) -> None:
     if problems and hw.enforce:
         raise ValueError(
             "; ".join(problems) + ". Launch the planned world size, or re-plan for this machine: "
-            "`python -m <package>.plan --config <file>` shows every option, and "
+            f"`python -m {__package__}.plan --config <file>` shows every option, and "
             "`copier update --defaults -d gpus_per_node=N -d gpu_memory_gb=M` regenerates the configs "
             "(or set hardware.enforce = false to run anyway)"
         )
@@ -547,7 +547,7 @@ def main(argv: list[str] | None = None) -> None:
         "--detected",
         type=Path,
         metavar="FILE",
-        help="--detect with hardware detected elsewhere: `python -m <package>.hardware --out FILE` on that machine",
+        help=f"--detect with hardware detected elsewhere (`python -m {__package__}.hardware --out FILE` there)",
     )
     args, rest = parser.parse_known_args(argv)
     if args.detect or args.detected:
