@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -58,4 +59,5 @@ def test_generated_crash_recovery(rendered, name):
 @pytest.mark.parametrize("name", STRATEGIES)
 def test_generated_strategies_match_the_golden_losses(rendered, name):
     out = run_generated(rendered[name], "-m", "strategies", "tests/test_strategies.py")
-    assert "12 passed" in out
+    # Nineteen strategies and the prefetch wiring check, none of them skipped.
+    assert int(re.search(r"(\d+) passed", out).group(1)) >= 20 and "skipped" not in out, out[-2000:]
