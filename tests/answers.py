@@ -120,8 +120,9 @@ MATRIX = {
 SMOKE = ["default", "cpu_debug", "ampere_two_nodes_ethernet", "volta_pcie_fp16", "ada_offload",
          "cpu_ddp_bf16_compile", "cpu_hybrid_fp16_offload"]  # fmt: skip
 # FULL: everything else too: checkpoints (atomicity, damage, resharding, preemption, export),
-# data, uneven inputs, error messages, observability, hardware detection.
-FULL = ["cpu_debug", "ampere_two_nodes_ethernet"]
+# data, uneven inputs, error messages, observability, hardware detection. The default render
+# is what `copier copy --defaults` gives a user, so its whole suite runs.
+FULL = ["default", "ampere_two_nodes_ethernet"]
 # FAULTS: ranks killed at ten points under torchrun --max-restarts (needs env:// rendezvous).
 FAULTS = ["cpu_debug"]
 # STRATEGIES: every sharding mode at world sizes 1, 2 and 4 against one golden loss table.

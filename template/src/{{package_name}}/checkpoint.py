@@ -134,8 +134,16 @@ def set_zero_state_dict(model: nn.Module, optimizer: ZeroRedundancyOptimizer, op
 
 
 def _parameter_names(model: nn.Module) -> dict[nn.Parameter, str]:
-    """Parameter -> the name get_state_dict uses (DDP's `module.` prefix dropped; a tied one once)."""
-    return {param: name for name, param in unwrap(model).named_parameters()}
+    """Parameter -> the name get_state_dict uses: its state-dict key, the first one for a tied weight.
+
+    Not named_parameters(): that keeps the wrappers' own components (activation checkpointing adds
+    `_checkpoint_wrapped_module.`), which state-dict hooks remove. DDP's `module.` is unwrapped.
+    """
+    names: dict[nn.Parameter, str] = {}
+    for key, value in unwrap(model).state_dict(keep_vars=True).items():
+        if isinstance(value, nn.Parameter):
+            names.setdefault(value, key)
+    return names
 
 
 def _rng_state() -> dict:
