@@ -107,16 +107,16 @@ def zero_state_dict(model: nn.Module, optimizer: ZeroRedundancyOptimizer, saved_
     every step so far: they stay without state, as they were.
     """
     names = _parameter_names(model)
-    state = {}
-    for param, values in optimizer.optim.state.items():
-        state[names[param]] = values
-    if saved_keys is not None:  # loading: empty tensors of the right shape for DCP to fill
-        state = {}
-        for group in optimizer.optim.param_groups:
-            for param in group["params"]:
-                if f"{CHECKPOINT_KEY}.optim.state.{names[param]}.exp_avg" in saved_keys:
-                    moments = {k: torch.zeros_like(param) for k in ("exp_avg", "exp_avg_sq")}
-                    state[names[param]] = {"step": torch.zeros((), dtype=torch.float32), **moments}
+    if saved_keys is None:  # saving: the state this rank holds
+        state = {names[param]: values for param, values in optimizer.optim.state.items()}
+    else:  # loading: empty tensors of the right shape for DCP to fill, for the parameters this rank owns
+        owned = (param for group in optimizer.optim.param_groups for param in group["params"])
+        state = {
+            names[param]: {"step": torch.zeros((), dtype=torch.float32), "exp_avg": torch.zeros_like(param),
+                           "exp_avg_sq": torch.zeros_like(param)}
+            for param in owned
+            if f"{CHECKPOINT_KEY}.optim.state.{names[param]}.exp_avg" in saved_keys
+        }  # fmt: skip
     groups = [
         {**{k: v for k, v in group.items() if k != "params"}, "params": [names[p] for p in group["params"]]}
         for group in optimizer.param_groups
