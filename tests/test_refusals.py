@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
+import yaml
 from conftest import render
 
 REFUSED = {
@@ -16,21 +19,46 @@ REFUSED = {
     "package_with_dash": ({"package_name": "my-model"}, "package_name", "not a lowercase Python identifier"),
     "package_with_digit": ({"package_name": "1st_try"}, "package_name", "not a lowercase Python identifier"),
     "package_shadows_torch": ({"package_name": "torch"}, "package_name", "would shadow"),
+    "package_shadows_a_test_helper": ({"package_name": "launch"}, "package_name", "e.g. launch_train"),
+    "package_name_empty": ({"package_name": ""}, "package_name", "(e.g. fsdp_train)"),
+    "package_is_a_keyword": ({"package_name": "lambda"}, "package_name", "keyword"),
     "project_name_with_space": ({"project_name": "my project"}, "project_name", "letters, digits"),
     "70b_on_one_small_gpu": (
-        {"gpus_per_node": 1, "gpu_memory_gb": 24, "model_size": "70b"},
-        "sharding",
-        "GiB per GPU",
+        {"gpus_per_node": 1, "gpu_memory_gb": 8, "model_size": "70b"},
+        "model_size",
+        "GiB per GPU even at one 128-token sequence",
+    ),
+    "70b_sequence_too_long": (
+        {"gpus_per_node": 1, "gpu_memory_gb": 24, "model_size": "70b", "seq_len": 8192},
+        "seq_len",
+        "needs 39.0 GiB even with full sharding, full activation checkpointing and CPU offload, over the 21.6 GiB "
+        "usable: 2048 tokens fit",
+    ),
+    "micro_batch_too_large": (
+        {"gpus_per_node": 1, "gpu_memory_gb": 24, "model_size": "8b", "micro_batch_size": 64},
+        "micro_batch_size",
+        "1 fits (gradient accumulation",
     ),
     "8b_ddp_does_not_fit": (
         {"model_size": "8b", "sharding": "no_shard", "activation_checkpointing": "selective"},
         "sharding",
-        "you have 80",
+        "with sharding=no_shard nothing fits: at best 91.1 GiB per GPU, over the 72.0 GiB usable of 80; "
+        "choose sharding=shard_grad_op",
+    ),
+    "ac_none_cannot_fit": (
+        {"gpus_per_node": 1, "gpu_memory_gb": 24, "model_size": "8b", "activation_checkpointing": "none"},
+        "activation_checkpointing",
+        "choose activation_checkpointing=full",
     ),
     "8b_ddp_fits_only_with_zero": (
-        {"model_size": "8b", "sharding": "no_shard", "activation_checkpointing": "full"},
+        {"model_size": "8b", "sharding": "no_shard", "activation_checkpointing": "full", "zero_optimizer": False},
         "zero_optimizer",
         "choose zero_optimizer=true to split AdamW's state over the ranks (69.8 GiB)",
+    ),
+    "offload_needed": (
+        {"gpus_per_node": 1, "gpu_memory_gb": 24, "model_size": "8b", "cpu_offload": False},
+        "cpu_offload",
+        "cpu_offload=true (21.4 GiB)",
     ),
     "offload_with_ddp": (
         {"model_size": "debug", "sharding": "no_shard", "cpu_offload": True},
@@ -56,12 +84,17 @@ def test_refused_with_the_question_named_and_nothing_written(tmp_path, case):
     assert not dst.exists()
 
 
-def test_memory_refusal_gives_the_numbers_and_a_plan_that_fits(tmp_path):
+@pytest.mark.parametrize(
+    "case", ["8b_ddp_does_not_fit", "ac_none_cannot_fit", "offload_needed", "70b_sequence_too_long"]
+)
+def test_the_fix_a_memory_refusal_names_is_accepted(tmp_path, case):
+    """A refusal ends in `choose question=value` (or `N tokens fit`); taking that advice renders."""
+    answers, question, _ = REFUSED[case]
     with pytest.raises(ValueError) as refusal:
-        render(
-            tmp_path / "p",
-            {"model_size": "8b", "gpus_per_node": 8, "sharding": "no_shard", "activation_checkpointing": "none"},
-        )
+        render(tmp_path / "refused", answers)
     message = str(refusal.value)
-    # "needs 189.3 GiB per GPU (model state 119.7, ...); you have 80 GiB, ...: choose sharding=..."
-    assert "needs" in message and "you have 80" in message and "choose sharding=" in message, message
+    advice = re.search(rf"choose .*?\b{question}=(\w+)", message) or re.search(r": (\d+) tokens fit", message)
+    assert advice, message
+    value = yaml.safe_load(advice.group(1))
+    dst = render(tmp_path / "accepted", {**answers, question: value})
+    assert yaml.safe_load((dst / ".copier-answers.yml").read_text())[question] == value

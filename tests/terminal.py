@@ -1,0 +1,164 @@
+"""Drive `copier copy` the way a person does: in a pseudo-terminal, reading each prompt and
+answering with keystrokes (arrow keys, Enter, typing). Copier validates typed answers and shows
+choices whose validator fails as disabled; these tests see exactly what a user sees."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pexpect
+import yaml
+
+TEMPLATE = Path(__file__).resolve().parents[1]
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b[()][A-Za-z0-9]|\x1b[=>]|\r")
+QMARK = "🎤"
+DOWN, UP, ENTER, CLEAR_LINE = "\x1b[B", "\x1b[A", "\r", "\x15"
+
+
+def question_prefixes() -> dict[str, str]:
+    """The literal start of each question's help (what the prompt shows first) -> its name."""
+    questions = yaml.safe_load((TEMPLATE / "copier.yml").read_text())
+    prefixes = {}
+    for name, spec in questions.items():
+        if name.startswith("_"):
+            continue
+        prefix = re.split(r"\{\{|\{%", " ".join(spec["help"].split()))[0][:24]
+        assert prefix not in prefixes, f"{name} and {prefixes[prefix]} start their help alike"
+        prefixes[prefix] = name
+    return prefixes
+
+
+@dataclass
+class Choice:
+    label: str
+    disabled: str = ""
+    """The reason the choice cannot be picked, as the prompt shows it; empty when it can."""
+
+
+@dataclass
+class Prompt:
+    name: str
+    text: str
+    choices: list[Choice] = field(default_factory=list)
+    pointer: int = -1
+    """Index of the highlighted choice (the default) in a pick-from-list prompt."""
+
+    def choice(self, label_start: str) -> Choice:
+        found = [c for c in self.choices if c.label.startswith(label_start)]
+        assert len(found) == 1, (label_start, self.choices)
+        return found[0]
+
+
+class CopierSession:
+    """One interactive `copier copy --vcs-ref HEAD <template> <dst>`."""
+
+    def __init__(self, dst: Path, home: Path, *extra: str):
+        copier = shutil.which("copier", path=os.path.dirname(sys.executable)) or "copier"
+        env = {**os.environ, "TERM": "xterm", "HOME": str(home), "COPIER_SETTINGS_PATH": str(home / "none.yml")}
+        self.child = pexpect.spawn(copier, ["copy", "--vcs-ref", "HEAD", *extra, str(TEMPLATE), str(dst)],
+                                   env=env, encoding="utf-8", dimensions=(100, 1000), timeout=120)  # fmt: skip
+        self.prefixes = question_prefixes()
+        self.screen = ""  # everything printed so far, escape codes removed
+        self.asked: list[str] = []
+        self.current: Prompt | None = None
+
+    def _read_until_quiet(self, quiet: float = 0.5) -> str:
+        chunk = ""
+        while True:
+            try:
+                chunk += self.child.read_nonblocking(65536, timeout=quiet)
+            except pexpect.TIMEOUT:
+                break
+            except pexpect.EOF:
+                break
+        text = ANSI.sub("", chunk)
+        self.screen += text
+        return text
+
+    def next_prompt(self) -> Prompt | None:
+        """Wait for the next question (None once copier has exited) and parse what it shows."""
+        previous = self.current.name if self.current else None
+        while True:
+            self._read_until_quiet()
+            tail = self.screen.rsplit(QMARK, 1)[-1] if QMARK in self.screen else ""
+            name = self._name(tail)
+            if name and name != previous:
+                break
+            if not self.child.isalive():
+                self.child.expect(pexpect.EOF)
+                self.current = None
+                return None
+        self.current = self._parse(name, tail)
+        self.asked.append(name)
+        return self.current
+
+    def _name(self, text: str) -> str | None:
+        flat = " ".join(text.split())
+        for prefix, name in self.prefixes.items():
+            if flat.startswith(prefix):
+                return name
+        return None
+
+    def _parse(self, name: str, text: str) -> Prompt:
+        prompt = Prompt(name, text)
+        lines = [line for line in text.split("\n")[1:] if line.strip()]
+        if not lines or "(Use arrow keys" not in lines[0]:
+            return prompt
+        labels = sorted(self._labels(name), key=len, reverse=True)
+        for line in lines[1:]:
+            body = line[3:]
+            disabled = body.startswith("- ")
+            body = body[2:] if disabled else body
+            label = next((lb for lb in labels if body.startswith(lb)), body.strip())
+            # questionary shows a disabled choice as "- <label> (<reason>)"
+            reason = body[len(label) :].strip().removeprefix("(").removesuffix(")") if disabled else ""
+            prompt.choices.append(Choice(label, reason or ("disabled" if disabled else "")))
+            if line.startswith(" » "):
+                prompt.pointer = len(prompt.choices) - 1
+        return prompt
+
+    @staticmethod
+    def _labels(name: str) -> list[str]:
+        choices = yaml.safe_load((TEMPLATE / "copier.yml").read_text())[name]["choices"]
+        return [str(c) for c in choices] if isinstance(choices, list) else list(choices)
+
+    # -- answering ----------------------------------------------------------------------------
+
+    def accept(self) -> None:
+        """Enter: take the default."""
+        self.child.send(ENTER)
+
+    def pick(self, label_start: str) -> None:
+        """Move the highlight to the choice whose label starts with `label_start` and press Enter."""
+        prompt = self.current
+        target = prompt.choices.index(prompt.choice(label_start))
+        assert not prompt.choices[target].disabled, f"{label_start} is disabled: {prompt.choices[target].disabled}"
+        lo, hi = sorted((prompt.pointer, target))
+        moves = sum(1 for c in prompt.choices[lo + 1 : hi + 1] if not c.disabled)
+        if target < prompt.pointer:
+            moves = sum(1 for c in prompt.choices[lo:hi] if not c.disabled)
+        self.child.send((DOWN if target > prompt.pointer else UP) * moves + ENTER)
+
+    def type(self, value: str) -> str:
+        """Replace the text of a typed prompt with `value` and press Enter; the validator's
+        message if copier refused it (the prompt stays), else ""."""
+        self.child.send(CLEAR_LINE + value + ENTER)
+        shown = self._read_until_quiet()
+        tail = shown.rsplit(QMARK, 1)[-1] if QMARK in shown else shown
+        refused = "Validation error" in tail or "Invalid input" in tail
+        return " ".join(tail.split()) if refused else ""
+
+    def confirm(self, yes: bool) -> None:
+        self.child.send("y" if yes else "n")
+
+    def finish(self, answer=None) -> int:
+        """Answer every remaining question with `answer(prompt)` (default: Enter) until copier exits."""
+        while (prompt := self.next_prompt()) is not None:
+            (answer or (lambda p: self.accept()))(prompt)
+        self.child.close()
+        return self.child.exitstatus
