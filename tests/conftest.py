@@ -7,9 +7,34 @@ from pathlib import Path
 
 import copier
 import pytest
+import yaml
 from answers import MATRIX
+from jinja2 import Environment, FileSystemLoader, StrictUndefined
+from jinja2_ansible_filters import AnsibleCoreFiltersExtension
 
 TEMPLATE = Path(__file__).resolve().parents[1]
+JINJA = Environment(
+    loader=FileSystemLoader(TEMPLATE), undefined=StrictUndefined, extensions=[AnsibleCoreFiltersExtension]
+)
+
+
+def hook(module: str, macro: str, *args):
+    """Call a macro of hooks/<module>.jinja, as copier.yml does."""
+    template = JINJA.from_string(f"{{% from 'hooks/{module}.jinja' import {macro} %}}{{{{ {macro}(*args) }}}}")
+    return template.render(args=args)
+
+
+def answers_of(root: Path) -> dict:
+    """The answers a render recorded, without copier's own keys."""
+    return {k: v for k, v in yaml.safe_load((root / ".copier-answers.yml").read_text()).items() if k[0] != "_"}
+
+
+def misfit(a: dict) -> str:
+    """The planner's objection to the recorded answers (hooks/plan.jinja's check_fit); empty when they fit."""
+    return hook("plan", "check_fit", a["model_size"], a.get("seq_len", 0), a["micro_batch_size"],
+                a["mixed_precision"], a["activation_checkpointing"], a["sharding"], a["cpu_offload"],
+                a["gpus_per_node"], a["num_nodes"], a.get("gpu_memory_gb", 0), a.get("inter_node_link", "infiniband"),
+                a["accelerator"], a.get("zero_optimizer", False))  # fmt: skip
 
 
 def render(dst: Path, answers: dict | None = None, src: Path = TEMPLATE, **kwargs) -> Path:

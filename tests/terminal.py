@@ -59,7 +59,13 @@ class CopierSession:
 
     def __init__(self, dst: Path, home: Path, *extra: str):
         copier = shutil.which("copier", path=os.path.dirname(sys.executable)) or "copier"
-        env = {**os.environ, "TERM": "xterm", "HOME": str(home), "COPIER_SETTINGS_PATH": str(home / "none.yml")}
+        env = {
+            **os.environ,
+            "TERM": "xterm",
+            "HOME": str(home),
+            "COPIER_SETTINGS_PATH": str(home / "none.yml"),
+            "PROMPT_TOOLKIT_NO_CPR": "1",
+        }
         self.child = pexpect.spawn(copier, ["copy", "--vcs-ref", "HEAD", *extra, str(TEMPLATE), str(dst)],
                                    env=env, encoding="utf-8", dimensions=(100, 1000), timeout=120)  # fmt: skip
         self.prefixes = question_prefixes()
@@ -83,7 +89,7 @@ class CopierSession:
     def next_prompt(self) -> Prompt | None:
         """Wait for the next question (None once copier has exited) and parse what it shows."""
         previous = self.current.name if self.current else None
-        while True:
+        for _ in range(120):  # a minute of quiet reads at most
             self._read_until_quiet()
             tail = self.screen.rsplit(QMARK, 1)[-1] if QMARK in self.screen else ""
             name = self._name(tail)
@@ -93,6 +99,8 @@ class CopierSession:
                 self.child.expect(pexpect.EOF)
                 self.current = None
                 return None
+        else:
+            raise AssertionError(f"no new question after {previous}; the terminal shows:\n{self.screen[-3000:]}")
         self.current = self._parse(name, tail)
         self.asked.append(name)
         return self.current

@@ -9,20 +9,14 @@ import json
 import sys
 
 import pytest
-from conftest import TEMPLATE, render
-from jinja2 import Environment, FileSystemLoader, StrictUndefined
-from jinja2_ansible_filters import AnsibleCoreFiltersExtension
+from conftest import JINJA, hook, render
 
-ENV = Environment(
-    loader=FileSystemLoader(TEMPLATE), undefined=StrictUndefined, extensions=[AnsibleCoreFiltersExtension]
-)
-PRESETS = ENV.get_template("hooks/presets.jinja").module.LLAMA_PRESETS
+PRESETS = JINJA.get_template("hooks/presets.jinja").module.LLAMA_PRESETS
 GIB = 2**30
 
 
 def jinja(macro: str, *args):
-    template = ENV.from_string(f"{{% from 'hooks/plan.jinja' import {macro} %}}{{{{ {macro}(*args) }}}}")
-    return template.render(args=args)
+    return hook("plan", macro, *args)
 
 
 @pytest.fixture(scope="module")

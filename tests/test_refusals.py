@@ -6,7 +6,7 @@ import re
 
 import pytest
 import yaml
-from conftest import render
+from conftest import answers_of, misfit, render
 
 REFUSED = {
     "nccl_on_cpu": ({"accelerator": "cpu", "backend": "nccl"}, "backend", "cannot run collectives on cpu"),
@@ -98,3 +98,24 @@ def test_the_fix_a_memory_refusal_names_is_accepted(tmp_path, case):
     value = yaml.safe_load(advice.group(1))
     dst = render(tmp_path / "accepted", {**answers, question: value})
     assert yaml.safe_load((dst / ".copier-answers.yml").read_text())[question] == value
+
+
+HARDWARE = [
+    {"gpus_per_node": gpus, "gpu_memory_gb": memory, "model_type": model}
+    for gpus in (1, 8)
+    for memory in (8, 24)
+    for model in ("llama", "vit", "custom")
+] + [
+    {"gpu_arch": "volta", "gpus_per_node": 1, "gpu_memory_gb": 16, "mixed_precision": "fp32"},
+    {"num_nodes": 2, "inter_node_link": "ethernet", "gpu_memory_gb": 24, "model_type": "hf_causal_lm"},
+    {"accelerator": "xpu", "gpus_per_node": 2, "gpu_memory_gb": 16, "model_type": "vit"},
+]
+
+
+@pytest.mark.parametrize("hardware", HARDWARE, ids=lambda h: "-".join(f"{v}" for v in h.values()))
+def test_the_planners_defaults_are_always_allowed_and_fit(tmp_path, hardware):
+    """What a user gets by pressing Enter: never a refused default (copier would crash on it), always a plan
+    that fits, whatever the hardware."""
+    answers = answers_of(render(tmp_path / "p", hardware))
+    assert misfit(answers) == "", answers
+    assert {k: answers[k] for k in hardware} == hardware

@@ -1,0 +1,239 @@
+"""The questions as a person answers them: `copier copy` in a pseudo-terminal.
+
+Copier checks a pick-from-list answer only through per-choice validators, shown as disabled
+choices; a question-level validator guards typed answers only. These sessions check that every
+refusal the template makes with `-d` holds here too, that no session crashes, and that the
+short path asks what it promises.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from conftest import answers_of, misfit, render
+from terminal import DOWN, UP, CopierSession
+
+# The questions a user who accepts the plan answers, per kind of machine.
+SHORT_PATH_CUDA = ["project_name", "accelerator", "gpu_arch", "gpus_per_node", "num_nodes", "gpu_memory_gb",
+                   "intra_node_link", "customize", "model_type", "model_size", "data_source", "checkpoint_interval",
+                   "launchers"]  # fmt: skip
+SHORT_PATH_CPU = ["project_name", "accelerator", "gpus_per_node", "num_nodes", "customize", "model_type",
+                  "model_size", "data_source", "launchers"]  # fmt: skip
+NUMBERS = re.compile(r"\d+\.\d GiB")
+
+
+@pytest.fixture
+def session(tmp_path):
+    sessions = []
+
+    def start(name: str = "proj") -> CopierSession:
+        sessions.append(CopierSession(tmp_path / name, tmp_path / "home"))
+        return sessions[-1]
+
+    yield start
+    for s in sessions:
+        s.child.close(force=True)
+
+
+def run_to(s: CopierSession, question: str, answers: dict) -> None:
+    """Answer questions until `question` is on screen: `answers[name](session)` or Enter."""
+    while (prompt := s.next_prompt()).name != question:
+        answers.get(prompt.name, CopierSession.accept)(s)
+
+
+def assert_valid_plan(tmp_path, root) -> dict:
+    """What the session wrote passes every check `copier copy --data` makes, and renders the same."""
+    answers = answers_of(root)
+    again = render(tmp_path / "check", answers)
+    assert answers_of(again) == answers
+    assert misfit(answers) == ""
+    return answers
+
+
+def test_short_path_on_gpus_asks_thirteen_questions_and_records_every_answer(session, tmp_path):
+    s = session()
+    assert s.finish() == 0
+    assert s.asked == SHORT_PATH_CUDA
+    answers = assert_valid_plan(tmp_path, tmp_path / "proj")
+    # The questions the gate skipped are still answered (the planner's), so `copier update` keeps them.
+    defaults = answers_of(render(tmp_path / "defaults"))
+    assert answers == defaults
+    for skipped in ["package_name", "mixed_precision", "sharding", "activation_checkpointing", "cpu_offload",
+                    "compile", "backend", "init_method", "checkpoint_export", "logging", "ci_workflow"]:  # fmt: skip
+        assert skipped in answers, skipped
+    assert (answers["sharding"], answers["activation_checkpointing"]) == ("shard_grad_op", "selective")
+
+
+def test_short_path_on_cpu_speaks_of_processes_and_trains_the_debug_model(session, tmp_path):
+    s = session()
+    shown = {}
+
+    def on_cpu(s):
+        s.pick("CPU only")
+
+    def note(s):
+        shown[s.current.name] = s.current
+        s.accept()
+
+    run_to(s, "accelerator", {})
+    on_cpu(s)
+    code = s.finish(lambda prompt: note(s))
+    assert code == 0
+    assert s.asked == SHORT_PATH_CPU
+    assert "CPU processes" in shown["gpus_per_node"].text and "GPU" not in shown["gpus_per_node"].text
+    model_size = shown["model_size"]
+    assert model_size.choices[model_size.pointer].label.startswith("debug")
+    answers = assert_valid_plan(tmp_path, tmp_path / "proj")
+    assert (answers["model_size"], answers["backend"], answers["mixed_precision"]) == ("debug", "gloo", "fp32")
+
+
+def test_volta_then_fp32_then_enter_completes_with_a_plan_that_fits(session, tmp_path):
+    s = session()
+    run_to(s, "gpu_arch", {})
+    s.pick("Volta")
+    run_to(s, "customize", {})
+    s.confirm(True)
+    run_to(s, "mixed_precision", {})
+    bf16 = s.current.choice("bf16")
+    assert "volta is 7.0" in bf16.disabled, bf16
+    assert s.current.choices[s.current.pointer].label.startswith("fp16")  # the default is allowed
+    s.pick("fp32")
+    assert s.finish() == 0
+    answers = assert_valid_plan(tmp_path, tmp_path / "proj")
+    assert answers["mixed_precision"] == "fp32" and answers["gpu_arch"] == "volta"
+    # 8b in fp32 needs 29.7 GiB at 8192 tokens on 8 x 32 GiB: the default sequence is one that fits.
+    assert (answers["model_size"], answers["seq_len"], answers["cpu_offload"]) == ("8b", 4096, True)
+
+
+def pick_disabled(s: CopierSession, label: str) -> str:
+    """The reason `label` cannot be picked at the current prompt (and assert that it cannot)."""
+    choice = s.current.choice(label)
+    assert choice.disabled, f"{s.current.name}: {label} is selectable"
+    with pytest.raises(AssertionError):
+        s.pick(label)
+    return choice.disabled
+
+
+def test_impossible_picks_on_one_gpu_node_are_disabled_or_refused(session, tmp_path):
+    """8 x H100 80 GiB, the 8b preset, every detail adjusted by hand."""
+    s = session()
+    refusals = {}
+    run_to(s, "customize", {})
+    s.confirm(True)
+    run_to(s, "package_name", {})
+    refusals["package_name=launch"] = s.type("launch")
+    assert s.type("mymodel") == ""
+    run_to(s, "seq_len", {})
+    refusals["seq_len=100000"] = s.type("100000")
+    assert s.type("8192") == ""
+    s.next_prompt()
+    refusals["micro_batch_size=64"] = s.type("64")
+    assert s.type("1") == ""
+    run_to(s, "activation_checkpointing", {})
+    refusals["activation_checkpointing=none"] = pick_disabled(s, "none")
+    s.pick("full")
+    s.next_prompt()
+    assert s.current.name == "sharding"
+    refusals["sharding=hybrid"] = pick_disabled(s, "hybrid")
+    s.pick("no_shard")  # DDP fits with full recomputation only if AdamW's state is split
+    run_to(s, "cpu_offload", {})
+    refusals["cpu_offload=yes with no_shard"] = pick_disabled(s, "yes")
+    s.pick("no")
+    run_to(s, "zero_optimizer", {})
+    refusals["zero_optimizer=no"] = pick_disabled(s, "no")
+    assert s.current.choices[s.current.pointer].label == "yes"
+    s.pick("yes")
+    run_to(s, "backend", {})
+    refusals["backend=xccl"] = pick_disabled(s, "xccl")
+    assert not s.current.choice("mpi").disabled  # DDP needs no reduce_scatter
+    s.accept()
+    assert s.finish() == 0
+
+    assert "would shadow" in refusals["package_name=launch"] and "e.g. launch_train" in refusals["package_name=launch"]
+    assert "must be between 1 and 8192" in refusals["seq_len=100000"]
+    assert NUMBERS.search(refusals["micro_batch_size=64"]) and "1 fits" in refusals["micro_batch_size=64"]
+    assert "choose activation_checkpointing=selective" in refusals["activation_checkpointing=none"]
+    assert NUMBERS.search(refusals["activation_checkpointing=none"])
+    assert "hybrid needs several nodes" in refusals["sharding=hybrid"]
+    assert "needs a sharded mode" in refusals["cpu_offload=yes with no_shard"]
+    assert "choose zero_optimizer=true" in refusals["zero_optimizer=no"]
+    assert NUMBERS.search(refusals["zero_optimizer=no"])
+    assert "cannot run collectives on cuda" in refusals["backend=xccl"]
+    for what, message in refusals.items():
+        assert "Validation error for question" in message or not message.startswith("Validation"), what
+    answers = assert_valid_plan(tmp_path, tmp_path / "proj")
+    assert (answers["sharding"], answers["zero_optimizer"], answers["package_name"]) == ("no_shard", True, "mymodel")
+
+
+def test_impossible_picks_when_memory_is_short(session, tmp_path):
+    """One 24 GiB GPU: 70b fits only with short sequences, 8b only with offload; 8 GiB fits no 70b."""
+    s = session()
+    run_to(s, "gpus_per_node", {})
+    assert s.type("1") == ""
+    run_to(s, "gpu_memory_gb", {})
+    assert s.type("8") == ""
+    run_to(s, "customize", {})
+    s.confirm(True)
+    run_to(s, "model_size", {})
+    too_big = pick_disabled(s, "70b")
+    assert "even at one 128-token sequence" in too_big and NUMBERS.search(too_big), too_big
+    assert s.current.choices[s.current.pointer].label.startswith("8b")  # the default still fits
+    s.pick("8b")
+    run_to(s, "activation_checkpointing", {})
+    s.pick("full")
+    run_to(s, "sharding", {})
+    for mode in ["shard_grad_op", "no_shard"]:  # one GPU: only full sharding with offload fits
+        assert "nothing fits" in pick_disabled(s, mode)
+    s.pick("full")
+    s.next_prompt()
+    no_offload = pick_disabled(s, "no")
+    assert "cpu_offload=true" in no_offload and NUMBERS.search(no_offload), no_offload
+    s.pick("yes")
+    assert s.finish() == 0
+    answers = assert_valid_plan(tmp_path, tmp_path / "proj")
+    assert (answers["gpu_memory_gb"], answers["cpu_offload"], answers["sharding"]) == (8, True, "full")
+
+
+def test_impossible_picks_on_cpu_ranks_and_for_an_image_model(session, tmp_path):
+    s = session()
+    run_to(s, "accelerator", {})
+    s.pick("CPU only")
+    run_to(s, "num_nodes", {})
+    assert s.type("2") == ""
+    run_to(s, "customize", {})
+    s.confirm(True)
+    s.next_prompt()
+    empty = s.type("")  # a refusal's example is never empty
+    assert "not a lowercase Python identifier" in empty and "(e.g. fsdp_train)" in empty, empty
+    assert s.type("vision") == ""
+    run_to(s, "model_type", {})
+    s.pick("A Vision Transformer")
+    s.next_prompt()
+    assert "an image-model preset" not in s.current.choice("vit-debug").disabled
+    assert "a decoder preset" in pick_disabled(s, "8b")
+    s.pick("vit-debug")
+    run_to(s, "data_source", {})
+    assert "token data" in pick_disabled(s, "memmap")
+    s.accept()
+    run_to(s, "backend", {})
+    for backend in ["nccl", "xccl"]:
+        assert "cannot run collectives on cpu" in pick_disabled(s, backend)
+    assert "does not support reduce_scatter" in pick_disabled(s, "mpi")
+    s.accept()
+    run_to(s, "checkpoint_export", {})
+    assert "transformers has no class for model_type vit" in pick_disabled(s, "hf")
+    s.accept()
+    run_to(s, "launchers", {})
+    assert [c.label[2:10] for c in s.current.choices[:2]] == ["torchrun", "SLURM ba"]  # ticked: the default
+    assert "Pick at least one: 2 nodes need a launcher that starts every node" in " ".join(s.current.text.split())
+    s.child.send(" " + DOWN + " ")  # untick both: two nodes and no way to start them
+    # Refused: Enter keeps the question (questionary shows a checkbox's validation message blank,
+    # hence the help above) and nothing is written.
+    s.type("")
+    assert s.child.isalive() and "Copying from template" not in s.screen
+    assert not (tmp_path / "proj").exists()
+    s.child.send(" " + UP + " \r")
+    assert s.finish() == 0
+    answers = assert_valid_plan(tmp_path, tmp_path / "proj")
+    assert (answers["model_size"], answers["launchers"]) == ("vit-debug", ["torchrun", "slurm"])
