@@ -89,8 +89,8 @@ class CopierSession:
     def next_prompt(self) -> Prompt | None:
         """Wait for the next question (None once copier has exited) and parse what it shows."""
         previous = self.current.name if self.current else None
-        for _ in range(120):  # a minute of quiet reads at most
-            self._read_until_quiet()
+        for _ in range(200):  # a minute of quiet reads at most
+            self._read_until_quiet(0.3)
             tail = self.screen.rsplit(QMARK, 1)[-1] if QMARK in self.screen else ""
             name = self._name(tail)
             if name and name != previous:

@@ -11,7 +11,8 @@ from __future__ import annotations
 import re
 
 import pytest
-from conftest import answers_of, misfit, render
+import yaml
+from conftest import TEMPLATE, answers_of, misfit, render
 from terminal import DOWN, UP, CopierSession
 
 # The questions a user who accepts the plan answers, per kind of machine.
@@ -237,3 +238,14 @@ def test_impossible_picks_on_cpu_ranks_and_for_an_image_model(session, tmp_path)
     assert s.finish() == 0
     answers = assert_valid_plan(tmp_path, tmp_path / "proj")
     assert (answers["model_size"], answers["launchers"]) == ("vit-debug", ["torchrun", "slurm"])
+
+
+def test_no_pick_from_list_question_relies_on_a_question_level_validator():
+    """Copier runs a question's `validator` on typed answers only; a select or yes/no question must
+    refuse through its choices' validators, or a terminal user could pick what `-d` refuses."""
+    questions = yaml.safe_load((TEMPLATE / "copier.yml").read_text())
+    for name, spec in questions.items():
+        if name.startswith("_") or "validator" not in spec:
+            continue
+        typed = "choices" not in spec and spec.get("type") in ("int", "str", "path", "float")
+        assert typed or spec.get("multiselect"), f"{name}: its validator would never run in a terminal"
