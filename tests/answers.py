@@ -8,7 +8,7 @@ MATRIX = {
     # The ViT presets, planned for their hardware (render checks only).
     "vit_base": {"model_type": "vit"},
     "vit_large_ampere": {"model_type": "vit", "model_size": "vit-large", "gpu_arch": "ampere", "gpus_per_node": 4},
-    "vit_huge_blackwell": {"model_type": "vit", "model_size": "vit-huge", "gpu_arch": "blackwell"},
+    "vit_huge_blackwell": {"model_type": "vit", "model_size": "vit-huge", "gpu_arch": "blackwell", "float8": "rowwise"},
     # cuda/hopper/nvlink, 8b, bf16, selective AC + shard_grad_op (the planner's pick), compile, nccl, env
     "default": {},
     # The laptop: CPU ranks with gloo, fp32, full sharding, no AC.
@@ -64,6 +64,7 @@ MATRIX = {
         "model_type": "hf_causal_lm",
         "hf_architecture": "qwen2",
         "data_source": "hf_dataset",
+        "float8": "tensorwise",
     },
     # DDP over MPI on Turing (MPI lacks reduce_scatter, so only no_shard is allowed).
     "turing_mpi_ddp": {
@@ -127,3 +128,6 @@ FULL = ["default", "ampere_two_nodes_ethernet"]
 FAULTS = ["cpu_debug"]
 # STRATEGIES: every sharding mode at world sizes 1, 2 and 4 against one golden loss table.
 STRATEGIES = ["cpu_debug"]
+# FLOAT8: float8 training of a tiny model on CPU ranks (emulated matmuls; about a minute), which
+# the FULL renders leave out. Every render has the code; the conversion tests run in-process.
+FLOAT8 = ["cpu_debug"]

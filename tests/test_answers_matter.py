@@ -43,6 +43,7 @@ CHANGE = {
     "cpu_offload": ({}, True),
     "zero_optimizer": ({"sharding": "no_shard", "activation_checkpointing": "full"}, True),
     "compile": ({}, False),
+    "float8": ({}, "tensorwise"),
     "backend": ({}, "gloo"),
     "init_method": ({}, "tcp"),
     "checkpoint_format": ({}, "dcp_async"),

@@ -186,3 +186,28 @@ def test_question_time_and_run_time_communication_agree(plan):
     s = shape(plan, "8b")
     ddp, zero = (plan.communication_bytes(s, "no_shard", "bf16", 8, 1, z)["intra"] for z in (False, True))
     assert zero / ddp == pytest.approx(1.5) and ddp == pytest.approx(2 * 4 * s.P * 7 / 8)
+
+
+def test_float8_all_gather_is_counted_alike_at_question_and_run_time(plan):
+    checked = 0
+    for preset, sharding, recipe in itertools.product(
+        PRESETS, ["full", "shard_grad_op", "hybrid", "no_shard"], ["none", "tensorwise", "rowwise"]
+    ):
+        seq, mbs = PRESETS[preset]["seq_len"], PRESETS[preset]["micro_batch_size"]
+        q = json.loads(jinja("memory_plan", preset, seq, mbs, "bf16", "selective", sharding, False, 8, 2, 1, False,
+                             False, 0, recipe))  # fmt: skip
+        r = plan.memory_plan(shape(plan, preset), seq_len=seq, micro_batch_size=mbs, precision="bf16",
+                             ac="selective", sharding=sharding, cpu_offload=False, gpus_per_node=8, num_nodes=2,
+                             float8=recipe)  # fmt: skip
+        assert q["gathered"] == pytest.approx(r.gathered, rel=1e-12) and q["total"] == pytest.approx(r.total, rel=1e-12)
+        qc = json.loads(jinja("communication", preset, sharding, "bf16", 8, 2, False, recipe))
+        assert qc == pytest.approx(plan.communication_bytes(shape(plan, preset), sharding, "bf16", 8, 2, False, recipe))
+        checked += 1
+    assert checked == len(PRESETS) * 12
+    # Llama 3.1 8B, full sharding: two blocks gathered at one byte per linear weight instead of two.
+    s = shape(plan, "8b")
+    kw = dict(seq_len=8192, micro_batch_size=1, precision="bf16", ac="selective", sharding="full", cpu_offload=False,
+              gpus_per_node=8, num_nodes=1)  # fmt: skip
+    bf16, f8 = plan.memory_plan(s, **kw), plan.memory_plan(s, float8="tensorwise", **kw)
+    assert bf16.gathered - f8.gathered == 2 * (s.Pb - 2 * 4096) == 2 * (218_112_000 - 8192)
+    assert plan.memory_plan(s, float8="rowwise", **kw).gathered == bf16.gathered  # rowwise gathers bf16

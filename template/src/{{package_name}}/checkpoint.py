@@ -36,6 +36,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_map
 
 from .config import CheckpointConfig
 from .parallelize import unwrap
@@ -69,8 +72,8 @@ class TrainState(Stateful):
         else:
             model_state, optim_state = get_state_dict(self.model, self.optimizer)
         state = {
-            "model": model_state,
-            "optim": optim_state,
+            "model": plain_tensors(model_state),
+            "optim": plain_tensors(optim_state),
             "scheduler": self.scheduler.state_dict(),
             "step": self.step,
         }
@@ -94,6 +97,26 @@ class TrainState(Stateful):
             _set_rng_state(state[f"rank{self.rank}"]["rng"])
             if self.loader.rank_sharded:
                 self.loader.load_state_dict(state[f"rank{self.rank}"]["data"])
+
+
+def plain_tensors(state: dict) -> dict:
+    """`state` with wrapper-subclass shards (torchao's float8 weights) replaced by the plain tensor inside.
+
+    The inner tensor shares the shard's storage, so DCP saves it as an ordinary tensor (a float8
+    checkpoint loads into a bf16 run and back) and loads into it in place.
+    """
+
+    def unwrap(value):
+        if isinstance(value, DTensor) and is_traceable_wrapper_subclass(value.to_local()):
+            local = value.to_local()
+            names, _ = local.__tensor_flatten__()
+            if len(names) == 1:
+                inner = getattr(local, names[0])
+                return DTensor.from_local(inner, value.device_mesh, value.placements, run_check=False,
+                                          shape=value.shape, stride=value.stride())  # fmt: skip
+        return value
+
+    return tree_map(unwrap, state)
 
 
 def zero_state_dict(model: nn.Module, optimizer: ZeroRedundancyOptimizer, saved_keys: set[str] | None) -> dict:

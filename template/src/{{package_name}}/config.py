@@ -116,6 +116,8 @@ class ParallelConfig:
     """torch.compile each block (after activation checkpointing, before sharding)."""
     compile_backend: str = "inductor"
     """torch.compile backend; aot_eager checks graph capture without code generation."""
+    float8: Literal["none", "tensorwise", "rowwise"] = "none"
+    """torchao float8 matmuls in the blocks' linear layers (sm 8.9+): one scale per tensor, or per row."""
 
 
 @dataclass
@@ -258,6 +260,11 @@ class Config:
             "data.uneven_inputs=join with parallel.zero_optimizer needs data.join_throw=true: ZeRO's join hook steps "
             "a finished rank's share of the parameters without gradients, so that share would silently stop "
             "training while the other ranks go on; or use data.uneven_inputs=min",
+        )
+        require(
+            p.float8 == "none" or p.mixed_precision == "bf16",
+            f"parallel.float8={p.float8} computes in float8 with bf16 outputs: set parallel.mixed_precision=bf16 "
+            f"(not {p.mixed_precision}), or parallel.float8=none",
         )
         require(
             not (p.zero_optimizer and p.sharding != "no_shard"),

@@ -6,6 +6,7 @@ and finally the root. This is the only file that calls `fully_shard`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -51,6 +52,36 @@ def apply_ac(layers: nn.ModuleList, mode: str) -> None:
     for i, block in enumerate(layers):
         # preserve_rng_state=False: the blocks have no dropout, and saving RNG state costs a sync.
         layers[i] = checkpoint_wrapper(block, preserve_rng_state=False, **kwargs)
+
+
+def apply_float8(layers: nn.ModuleList, recipe: str, device: torch.device, *, fsdp: bool) -> None:
+    """Swap the blocks' linear layers for torchao's Float8Linear (float8 matmuls, bf16 outputs).
+
+    Only the blocks: the embeddings and the output projection stay in bf16 (the logits are where
+    float8's rounding costs the most, as torchtitan found). Layers whose sizes are not multiples of
+    16 stay too (float8 matmuls need them). With tensorwise scaling under FSDP, parameters are
+    all-gathered in float8 as well: half the bytes of bf16.
+    """
+    if recipe == "none":
+        return
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        major, minor = torch.cuda.get_device_capability(device)
+        raise ValueError(
+            f"parallel.float8={recipe} needs float8 tensor cores (compute capability 8.9+: Ada, Hopper, Blackwell); "
+            f"this GPU is sm {major}.{minor}: set parallel.float8=none"
+        )
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    if recipe == "tensorwise" and fsdp:
+        config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
+    for block in layers:
+        convert_to_float8_training(block, config=config, module_filter_fn=float8_eligible)
+
+
+def float8_eligible(module: nn.Module, fqn: str) -> bool:
+    """float8 matmuls need both sizes to be multiples of 16."""
+    return isinstance(module, nn.Linear) and module.in_features % 16 == 0 and module.out_features % 16 == 0
 
 
 def apply_compile(layers: nn.ModuleList, backend: str) -> None:

@@ -127,10 +127,11 @@ def shard_group(sharding: str, gpus_per_node: int, num_nodes: int) -> int:
 def memory_plan(
     s: ModelShape, *, seq_len: int, micro_batch_size: int, precision: str, ac: str, sharding: str,
     cpu_offload: bool, gpus_per_node: int, num_nodes: int, grad_accum: int = 1, sync_every_microbatch: bool = False,
-    zero_optimizer: bool = False, prefetch_blocks: int = 0,
+    zero_optimizer: bool = False, prefetch_blocks: int = 0, float8: str = "none",
 ) -> MemoryPlan:  # fmt: skip
     """Bytes per rank of each term (see the module docstring)."""
     p = 4 if precision == "fp32" else 2
+    block = block_gather_bytes(s, p, sharding, float8)
     group = shard_group(sharding, gpus_per_node, num_nodes)
     params, grads, optim = 4 * s.P / group, 4 * s.P / group, 8 * s.P / group
     if sharding == "no_shard" and zero_optimizer:
@@ -142,11 +143,11 @@ def memory_plan(
     else:
         grads_live = 4 * s.P  # FSDP accumulates unsharded fp32 gradients while sync is off
     if sharding == "shard_grad_op":
-        gathered = s.P * p
+        gathered = s.L * block + s.Pn * p
     elif sharding == "no_shard":
         gathered = s.P * p if p < 4 else 0
     else:
-        gathered = (1 + max(prefetch_blocks, 1)) * s.Pb * p + s.Pn * p
+        gathered = (1 + max(prefetch_blocks, 1)) * block + s.Pn * p
     gradbuf = 0 if sharding == "no_shard" else s.Pb * (p + 4)
     full_layer = activation_bytes_per_token(s, precision, "none")
     tokens = (s.tokens or seq_len) * micro_batch_size
@@ -155,6 +156,14 @@ def memory_plan(
     activations = tokens * (s.L * activation_bytes_per_token(s, precision, ac) + extra) + logits * s.V * (p + 12)
     host = params + grads + optim if cpu_offload else 0
     return MemoryPlan(params, grads, optim, grads_live, gathered, gradbuf, activations, host)
+
+
+def block_gather_bytes(s: ModelShape, p: int, sharding: str, float8: str) -> float:
+    """Bytes of one all-gathered block: the compute dtype, or one byte per linear weight when FSDP
+    gathers float8 (tensorwise scaling); the two norm weights stay in the compute dtype."""
+    if float8 == "tensorwise" and sharding != "no_shard":
+        return (s.Pb - 2 * s.h) + 2 * s.h * p
+    return s.Pb * p
 
 
 def activation_bytes_per_token(s: ModelShape, precision: str, ac: str) -> int:
@@ -195,7 +204,7 @@ def plan_for(
         gpus_per_node=hw.gpus_per_node, num_nodes=hw.num_nodes,
         grad_accum=grad_accum(cfg), sync_every_microbatch=p.grad_sync_every_microbatch,
         zero_optimizer=p.zero_optimizer if zero_optimizer is None else zero_optimizer,
-        prefetch_blocks=p.prefetch_blocks,
+        prefetch_blocks=p.prefetch_blocks, float8=p.float8,
     )  # fmt: skip
 
 
@@ -222,8 +231,9 @@ def recommend(cfg: Config) -> tuple[str, str, bool]:
 
 
 def communication_bytes(
-    s: ModelShape, sharding: str, precision: str, gpus_per_node: int, num_nodes: int, zero_optimizer: bool = False
-) -> dict:
+    s: ModelShape, sharding: str, precision: str, gpus_per_node: int, num_nodes: int, zero_optimizer: bool = False,
+    float8: str = "none",
+) -> dict:  # fmt: skip
     """Bytes each rank sends per optimizer step, within a node and across nodes (ring collectives).
 
     full and hybrid gather parameters twice (forward and backward) and reduce-scatter fp32
@@ -232,12 +242,13 @@ def communication_bytes(
     """
     p = 4 if precision == "fp32" else 2
     world = gpus_per_node * num_nodes
+    gather = s.L * block_gather_bytes(s, p, sharding, float8) + s.Pn * p  # one all-gather of every parameter
     if sharding == "no_shard":
         volume, group = (3 if zero_optimizer else 2) * s.P * 4, world
     elif sharding == "shard_grad_op":
-        volume, group = s.P * (p + 4), world
+        volume, group = gather + s.P * 4, world
     else:
-        volume, group = s.P * (2 * p + 4), (gpus_per_node if sharding == "hybrid" else world)
+        volume, group = 2 * gather + s.P * 4, (gpus_per_node if sharding == "hybrid" else world)
     sent = volume * (group - 1) / group
     if sharding == "hybrid":  # plus the all-reduce of each shard across the nodes
         return {"intra": sent, "inter": 2 * (s.P / gpus_per_node) * 4 * (num_nodes - 1) / num_nodes}
@@ -250,8 +261,8 @@ def step_seconds(s: ModelShape, cfg: Config, sharding: str, zero_optimizer: bool
     world = hw.gpus_per_node * hw.num_nodes
     tokens_per_rank = t.global_batch_size * t.seq_len / world
     compute = 6 * s.P * tokens_per_rank / (0.4 * ARCH_TFLOPS.get(hw.gpu_arch, 312.0) * 1e12)
-    precision = cfg.parallel.mixed_precision
-    sent = communication_bytes(s, sharding, precision, hw.gpus_per_node, hw.num_nodes, zero_optimizer)
+    p = cfg.parallel
+    sent = communication_bytes(s, sharding, p.mixed_precision, hw.gpus_per_node, hw.num_nodes, zero_optimizer, p.float8)
     comm = sent["intra"] / (LINK_GBPS[hw.intra_node_link] * 1e9) + sent["inter"] / (LINK_GBPS[hw.inter_node_link] * 1e9)
     return compute, comm
 

@@ -48,6 +48,7 @@ from .parallelize import (
     DTYPES,
     apply_ac,
     apply_compile,
+    apply_float8,
     apply_fsdp,
     gradient_sync,
     init_weights_from_rank0,
@@ -82,6 +83,7 @@ def build_model_meta(cfg: Config, env: DistEnv, *, init_weights: bool) -> nn.Mod
     with torch.device("meta"):
         model = build_model(cfg.model)
     p = cfg.parallel
+    apply_float8(model.layers, p.float8, env.device, fsdp=p.sharding != "no_shard")
     apply_ac(model.layers, p.activation_checkpointing)
     if p.compile:
         apply_compile(model.layers, p.compile_backend)
