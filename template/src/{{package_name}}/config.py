@@ -24,14 +24,14 @@ from typing import Literal
 import tyro
 
 EXIT_USAGE = 2
-"""Exit code of a run refused for bad input (argparse's and tyro's code too); TROUBLESHOOTING.md explains it."""
+"""Exit code of the rank that reports bad input (argparse's and tyro's code too); see TROUBLESHOOTING.md."""
 
 
 class UsageError(ValueError):
     """Bad input: config, command line, data path, checkpoint to resume, or a world size the plan refuses.
 
-    The trainer finds these before the process group starts, prints the message once, without a
-    traceback, and exits with EXIT_USAGE. Any other exception is a bug and keeps its traceback.
+    The trainer finds these before the process group starts and prints the message once, without
+    a traceback (train.refuse). Any other exception is a bug and keeps its traceback.
     """
 
 

@@ -5,8 +5,8 @@
 
 Launch with torchrun, e.g. `torchrun --standalone --nproc_per_node 2 -m <package>.train
 --config configs/debug.toml`, or with scripts/run_local.sh. Bad input (config, data path,
-checkpoint to resume, a world size the plan refuses) is found before the process group starts,
-reported once, and the ranks exit with code 2 (config.EXIT_USAGE); see TROUBLESHOOTING.md.
+checkpoint to resume, a world size the plan refuses) is found before the process group starts
+and reported once, by local rank 0, which exits with code 2 (config.EXIT_USAGE); see refuse().
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def init_distributed(cfg: Config) -> DistEnv:
     """Check the plan and the inputs, join the process group on the right device and backend, build the mesh.
 
     Every check before init_process_group reads only the config, the environment and the files,
-    so every rank finds the same UsageError, and all exit together (see refuse).
+    so every rank finds the same UsageError (see refuse).
     """
     rdzv = rendezvous_from_env(cfg.dist.init_method)
     init_logging(rdzv.rank)
@@ -256,13 +256,16 @@ def build_metrics(cfg: Config, env: DistEnv, model: nn.Module, start_step: int) 
     )
 
 
-def refuse(error: UsageError) -> NoReturn:
-    """Report bad input once, without a traceback, and exit with EXIT_USAGE on every rank.
+def refuse(error: UsageError | None) -> NoReturn:
+    """Report bad input once, without a traceback: local rank 0 prints it and exits with EXIT_USAGE.
 
-    Local rank 0 prints (reports_errors); the other ranks found the same error and exit quietly.
+    Every rank found the same error; the others exit 0 without a word, because torchrun stops
+    every rank as soon as one fails, and could stop the reporting rank before it has printed.
     SystemExit passes through @record without an error file: there is no traceback to keep.
     """
-    if reports_errors():
+    if not reports_errors():
+        raise SystemExit(0)
+    if error is not None:  # None: tyro has printed its own refusal of the command line
         print(f"{__package__}.train: error: {error}", file=sys.stderr)
     raise SystemExit(EXIT_USAGE)
 
@@ -274,6 +277,10 @@ def main(argv: list[str] | None = None) -> None:
         env = init_distributed(cfg)
     except UsageError as error:
         refuse(error)
+    except SystemExit as tyro_exit:  # a refused command line (tyro printed why), or --help
+        if tyro_exit.code:
+            refuse(None)
+        raise
     model = state = None
     try:
         ckpt = CheckpointManager(cfg.checkpoint, Path(cfg.run_dir) / "checkpoints", env.rank, env.world_size)
