@@ -6,9 +6,12 @@ Layout of a run directory:
     checkpoints/step_00000030.partial-*/  being written (or left by a crash): never loaded
 
 A checkpoint is written into a `.partial-*` directory; once every rank's shards are on disk,
-rank 0 writes COMPLETE.json (with the size of every file) and renames the directory. Old
-checkpoints are deleted only after a newer one is complete, so a crash at any moment leaves
-the last good checkpoint in place.
+rank 0 writes COMPLETE.json (with the size of every file) and renames the directory. A
+checkpoint is trusted only if it verifies: the marker is there and every file has its recorded
+size. A save whose step already holds a damaged checkpoint writes a new one the same way, then
+swaps it in (the damaged one is moved aside first, and deleted after the swap); one that
+verifies is never overwritten. Old checkpoints are deleted only after a newer one is complete,
+so a crash at any moment leaves the last good checkpoint in place.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_map
 
-from .config import CheckpointConfig
+from .config import CheckpointConfig, UsageError
 from .parallelize import unwrap
 
 logger = logging.getLogger(__name__)
@@ -209,18 +212,16 @@ class CheckpointManager:
 
     # -- finding checkpoints ------------------------------------------------------------------
 
-    def complete_checkpoints(self) -> list[Path]:
-        """Complete checkpoints, newest first; incomplete or damaged ones are skipped with a warning."""
-        found = []
+    def scan(self) -> tuple[list[Path], dict[Path, str]]:
+        """Complete checkpoints, newest first; and every other `step_*` entry, with why it cannot be loaded."""
+        complete, unusable = [], {}
         for path in sorted(self.root.glob("step_*"), reverse=True):
-            if ".partial" in path.name or not path.is_dir():
-                continue
-            problem = verify(path)
+            problem = "left by an interrupted save" if ".partial" in path.name else verify(path)
             if problem:
-                logger.warning("skipping checkpoint %s: %s", path, problem)
-                continue
-            found.append(path)
-        return found
+                unusable[path] = problem
+            else:
+                complete.append(path)
+        return complete, unusable
 
     def resume_path(self) -> Path | None:
         """The checkpoint to resume from, decided on rank 0 and shared, so every rank agrees."""
@@ -233,15 +234,19 @@ class CheckpointManager:
     def _choose_resume(self) -> str | None:
         if self.cfg.resume == "never":
             return None
-        if self.cfg.resume == "auto":
-            newest = self.complete_checkpoints()  # warns about each incomplete or damaged one
-            if self.root.is_dir():
-                self._clear_debris()
-            return str(newest[0]) if newest else None
-        problem = verify(Path(self.cfg.resume))
-        if problem:
-            raise ValueError(f"checkpoint.resume={self.cfg.resume}: {problem}")
-        return self.cfg.resume
+        if self.cfg.resume != "auto":
+            check_resume(self.cfg)
+            return self.cfg.resume
+        complete, unusable = self.scan()
+        if unusable:  # one warning that names everything skipped, and what becomes of it
+            fates = {path: "deleted" if _is_debris(path) else "kept until a save of its step replaces it"
+                     for path in unusable}  # fmt: skip
+            logger.warning(
+                "skipping checkpoints in %s that cannot be loaded: %s",
+                self.root, "; ".join(f"{path.name}: {why} ({fates[path]})" for path, why in unusable.items()),
+            )  # fmt: skip
+            self._clear_debris()
+        return str(complete[0]) if complete else None
 
     # -- saving ---------------------------------------------------------------------------------
 
@@ -260,11 +265,14 @@ class CheckpointManager:
         self.wait()
         target = self.root / f"step_{step:08d}"
         token = [None]
-        if self.rank == 0 and not (target / MARKER).exists():
-            token[0] = f"{time.time_ns():x}"
+        if self.rank == 0:
+            problem = verify(target)
+            if problem and target.exists():
+                logger.warning("checkpoint %s is damaged (%s): saving it again", target, problem)
+            token[0] = f"{time.time_ns():x}" if problem else None
         dist.broadcast_object_list(token, src=0)
         if token[0] is None:
-            return  # this step is already saved (a resumed run stopping at once)
+            return  # a checkpoint of this step verifies (a resumed run stopping at once): never overwrite it
         partial = self.root / f"{target.name}.partial-{token[0]}"
         state.step = step
         if self.async_group is None:
@@ -290,25 +298,30 @@ class CheckpointManager:
         files = {p.name: p.stat().st_size for p in partial.iterdir() if p.is_file()}
         marker = {"step": step, "world_size": self.world_size, "torch": torch.__version__, "files": files}
         _write_durably(partial / MARKER, json.dumps(marker, indent=1))
+        # A directory at the target is damaged (_save verified it): it would block the rename, so it
+        # goes aside first. A crash between the renames leaves two `.partial` directories, which the
+        # next resume reports and deletes; the checkpoints before this step are untouched.
+        damaged = partial.with_name(f"{partial.name}-replaced") if target.exists() else None
+        if damaged:
+            os.replace(target, damaged)
         os.replace(partial, target)
         _fsync_dir(self.root)
+        if damaged:
+            _remove(damaged)
         logger.info("saved checkpoint %s", target)
         self._purge(keep=target)
 
     def _purge(self, keep: Path) -> None:
         """Delete checkpoints beyond keep_last, and what crashed saves or deletions left behind."""
-        complete = [p for p in self.complete_checkpoints() if p != keep]
+        complete = [p for p in self.scan()[0] if p != keep]
         for old in complete[self.cfg.keep_last - 1 :]:
             _remove(old)
         self._clear_debris()
 
     def _clear_debris(self) -> None:
-        """Remove partial directories and marker-less ones (a deletion that was interrupted).
-
-        Neither can be loaded: saves write into `.partial-*` and rename only after the marker.
-        """
+        """Remove what interrupted saves and deletions left: see _is_debris."""
         for path in self.root.glob("step_*"):
-            if path.is_dir() and (".partial" in path.name or not (path / MARKER).exists()):
+            if _is_debris(path):
                 _remove(path)
 
     # -- loading --------------------------------------------------------------------------------
@@ -367,8 +380,22 @@ def _set_path(root: dict, path: tuple, value) -> None:
     node[path[-1]] = value
 
 
+def check_resume(cfg: CheckpointConfig) -> None:
+    """Refuse an explicit checkpoint.resume that is not a complete checkpoint (auto and never pass)."""
+    if cfg.resume in ("auto", "never"):
+        return
+    problem = verify(Path(cfg.resume))
+    if problem:
+        raise UsageError(
+            f"checkpoint.resume={cfg.resume}: {problem}; pass a complete checkpoint directory, or "
+            "checkpoint.resume=auto to take the newest complete one in the run directory"
+        )
+
+
 def verify(path: Path) -> str:
     """Empty if `path` is a complete checkpoint whose files are all present at their recorded size."""
+    if not path.is_dir():
+        return "no such directory"
     marker = path / MARKER
     if not marker.is_file():
         return f"no {MARKER} (the save did not finish)"
@@ -383,6 +410,14 @@ def verify(path: Path) -> str:
         if f.stat().st_size != size:
             return f"{name} has {f.stat().st_size} bytes, expected {size} (truncated or overwritten)"
     return ""
+
+
+def _is_debris(path: Path) -> bool:
+    """A `.partial-*` directory (an unfinished save), or one without a marker (an interrupted deletion).
+
+    Neither can be loaded: saves write into `.partial-*` and rename only after the marker.
+    """
+    return path.is_dir() and (".partial" in path.name or not (path / MARKER).exists())
 
 
 def _write_durably(path: Path, text: str) -> None:

@@ -3,15 +3,18 @@
     torchrun --nproc_per_node 2 -m <package>.train --config configs/debug.toml --train.steps 100
 
 Every field has one line of documentation, which is also its `--help` text. Values are
-checked in `Config.validate` before anything is allocated; a bad value raises ValueError
+checked in `Config.validate` before anything is allocated; a bad value raises UsageError
 naming the field and the fix.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import difflib
+import io
+import os
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -19,6 +22,23 @@ from pathlib import Path
 from typing import Literal
 
 import tyro
+
+EXIT_USAGE = 2
+"""Exit code of the rank that reports bad input (argparse's and tyro's code too); see TROUBLESHOOTING.md."""
+
+
+class UsageError(ValueError):
+    """Bad input: config, command line, data path, checkpoint to resume, or a world size the plan refuses.
+
+    The trainer finds these before the process group starts and prints the message once, without
+    a traceback (train.refuse). Any other exception is a bug and keeps its traceback.
+    """
+
+
+def reports_errors() -> bool:
+    """Whether this process prints a refusal: local rank 0, so each node's log says why; other ranks exit quietly."""
+    return os.environ.get("LOCAL_RANK", "0") == "0"
+
 
 Sharding = Literal["full", "shard_grad_op", "hybrid", "no_shard"]
 Precision = Literal["bf16", "fp16", "fp32"]
@@ -218,7 +238,7 @@ class Config:
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
 
     def validate(self) -> Config:
-        """Raise ValueError listing every value that cannot work, whatever the world size."""
+        """Raise UsageError listing every value that cannot work, whatever the world size."""
         m, t, p, c = self.model, self.train, self.parallel, self.checkpoint
         errors: list[str] = []
 
@@ -238,6 +258,10 @@ class Config:
         require(
             (d.source in ("synthetic_images", "image_folder")) == (m.name == "vit"),
             f"data.source={d.source} does not feed model.name={m.name} (images go with vit, tokens with the others)",
+        )
+        require(
+            d.shard_by != "rank" or d.source == "memmap",
+            f"data.shard_by=rank needs data.source=memmap, not {d.source}",
         )
         require(
             d.uneven_inputs != "join" or p.sharding == "no_shard",
@@ -286,7 +310,7 @@ class Config:
             f"metrics.profile_steps={self.metrics.profile_steps!r} must look like 10-12 (first and last step)",
         )
         if errors:
-            raise ValueError("invalid config:\n  " + "\n  ".join(errors))
+            raise UsageError("invalid config:\n  " + "\n  ".join(errors))
         return self
 
 
@@ -299,12 +323,12 @@ def _from_dict(cls: type, data: dict, where: str):
         name = f"{where}{key}"
         if key not in known:
             close = difflib.get_close_matches(key, known, n=1)
-            hint = f" (did you mean '{where}{close[0]}'?)" if close else ""
-            raise ValueError(f"unknown config key '{name}'{hint}")
+            hint = f"did you mean '{where}{close[0]}'?" if close else "--help lists every key"
+            raise UsageError(f"unknown config key '{name}' ({hint})")
         hint = hints[key]
         if dataclasses.is_dataclass(hint):
             if not isinstance(value, dict):
-                raise ValueError(f"config key '{name}' must be a table")
+                raise UsageError(f"config key '{name}' must be a table")
             kwargs[key] = _from_dict(hint, value, f"{name}.")
         else:
             kwargs[key] = _check_type(name, hint, value)
@@ -315,15 +339,24 @@ def _check_type(name: str, hint, value):
     origin = typing.get_origin(hint)
     if origin is Literal:
         if value not in typing.get_args(hint):
-            raise ValueError(f"config key '{name}' = {value!r} is not one of {list(typing.get_args(hint))}")
+            raise UsageError(f"config key '{name}' = {value!r} is not one of {list(typing.get_args(hint))}")
         return value
     if origin is tuple:
         return tuple(value)
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
-        raise ValueError(f"config key '{name}' = {value!r} should be {hint.__name__}")
+        raise UsageError(f"config key '{name}' = {value!r} should be {hint.__name__}")
     return value
+
+
+def _quiet_unless_reporting() -> contextlib.AbstractContextManager:
+    """Drop this process's output unless it is the rank that reports errors (reports_errors)."""
+    stack = contextlib.ExitStack()
+    if not reports_errors():
+        stack.enter_context(contextlib.redirect_stdout(io.StringIO()))
+        stack.enter_context(contextlib.redirect_stderr(io.StringIO()))
+    return stack
 
 
 def load_config(argv: list[str] | None = None) -> Config:
@@ -334,14 +367,15 @@ def load_config(argv: list[str] | None = None) -> Config:
     base = Config()
     if args.config is not None:
         if not args.config.is_file():
-            raise ValueError(f"--config {args.config}: no such file")
+            raise UsageError(f"--config {args.config}: no such file")
         with args.config.open("rb") as f:
             base = _from_dict(Config, tomllib.load(f), "")
-    cfg = tyro.cli(
-        Config,
-        default=base,
-        args=rest,
-        description="Train with FSDP2. --config FILE loads a TOML file; flags below override it.",
-        config=(tyro.conf.FlagConversionOff,),
-    )
+    with _quiet_unless_reporting():  # tyro prints its own refusals (and --help), then exits with EXIT_USAGE
+        cfg = tyro.cli(
+            Config,
+            default=base,
+            args=rest,
+            description="Train with FSDP2. --config FILE loads a TOML file; flags below override it.",
+            config=(tyro.conf.FlagConversionOff,),
+        )
     return cfg.validate()

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .config import Config
+from .config import Config, UsageError
 
 logger = logging.getLogger(__name__)
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -62,7 +62,7 @@ class MemmapTokens:
 
     def __init__(self, path: Path, dtype: str, seq_len: int, seed: int, part: tuple[int, int] | None = None):
         if not path.is_file():
-            raise ValueError(f"data.path={path}: no such token file (python -m {__package__}.data prepare writes one)")
+            raise UsageError(f"data.path={path}: no such token file (python -m {__package__}.data prepare writes one)")
         tokens = np.memmap(path, dtype=dtype, mode="r")
         if part is not None:  # this rank's contiguous slice of one shared file
             index, count = part
@@ -70,7 +70,7 @@ class MemmapTokens:
         self.tokens, self.seq_len, self.seed = tokens, seq_len, seed
         self.windows = (len(tokens) - 1) // seq_len
         if self.windows < 1:
-            raise ValueError(f"data.path={path} holds {len(tokens)} tokens, fewer than one sequence of {seq_len + 1}")
+            raise UsageError(f"data.path={path} holds {len(tokens)} tokens, fewer than one sequence of {seq_len + 1}")
 
     def window(self, sample: int, shuffle: bool = True) -> torch.Tensor:
         epoch, position = divmod(sample, self.windows)
@@ -105,7 +105,7 @@ class ImageFolder:
             (f, label) for label, c in enumerate(classes) for f in sorted((root / c).iterdir()) if f.is_file()
         ]
         if not self.samples:
-            raise ValueError(f"data.path={root}: expected <class>/<image> files, found none")
+            raise UsageError(f"data.path={root}: expected <class>/<image> files, found none")
         self.image_size, self.mode, self.seed = image_size, {1: "L", 3: "RGB"}[channels], seed
 
     def load(self, sample: int) -> tuple[torch.Tensor, int]:
@@ -166,7 +166,7 @@ def grad_accum_steps(global_batch_size: int, micro_batch_size: int, world_size: 
     """Micro-batches per rank per step; the global batch must split evenly."""
     per_rank, rest = divmod(global_batch_size, world_size)
     if rest or per_rank % micro_batch_size:
-        raise ValueError(
+        raise UsageError(
             f"train.global_batch_size={global_batch_size} does not split into {world_size} ranks x "
             f"micro-batches of train.micro_batch_size={micro_batch_size}; make it a multiple of "
             f"{world_size * micro_batch_size}"
@@ -188,22 +188,39 @@ def agree_on_steps(loader: Loader, steps: int, device: torch.device) -> int:
     return min(common, steps)
 
 
+def data_path(cfg: Config, rank: int) -> Path | None:
+    """The file or folder this rank reads (a file per rank when data.path has `{rank}`); None for generated data."""
+    d = cfg.data
+    if d.source not in ("memmap", "image_folder"):
+        return None
+    return Path(d.path.format(rank=rank) if d.shard_by == "rank" and "{rank}" in d.path else d.path)
+
+
+def check_data(cfg: Config, rank: int, world_size: int) -> None:
+    """Refuse, before the process group starts, a data path that does not exist or a batch that does not split."""
+    grad_accum_steps(cfg.train.global_batch_size, cfg.train.micro_batch_size, world_size)
+    path = data_path(cfg, rank)
+    if path is not None and not path.exists():
+        if cfg.data.source == "memmap":
+            what = f"token file (python -m {__package__}.data prepare writes one)"
+        else:
+            what = "image folder (<class>/<image> files)"
+        raise UsageError(f"data.path={path}: no such {what}; point data.path at it")
+
+
 def build_loader(cfg: Config, rank: int, world_size: int, device: torch.device) -> Loader:
     d, t, m = cfg.data, cfg.train, cfg.model
+    path = data_path(cfg, rank)
     if d.source == "memmap":
-        if d.shard_by == "rank" and "{rank}" in d.path:
-            source = MemmapTokens(Path(d.path.format(rank=rank)), d.dtype, t.seq_len, t.seed)
-        else:
-            part = (rank, world_size) if d.shard_by == "rank" else None
-            source = MemmapTokens(Path(d.path), d.dtype, t.seq_len, t.seed, part)
+        per_rank_file = d.shard_by == "rank" and "{rank}" in d.path
+        part = (rank, world_size) if d.shard_by == "rank" and not per_rank_file else None
+        source = MemmapTokens(path, d.dtype, t.seq_len, t.seed, part)
     elif d.source == "synthetic_images":
         source = SyntheticImages(m.image_size, m.channels, m.num_classes, t.seed)
     elif d.source == "image_folder":
-        source = ImageFolder(Path(d.path), m.image_size, m.channels, t.seed)
+        source = ImageFolder(path, m.image_size, m.channels, t.seed)
     else:
         source = SyntheticTokens(m.vocab_size, t.seq_len, d.synthetic_branching, t.seed)
-    if d.shard_by == "rank" and d.source != "memmap":
-        raise ValueError(f"data.shard_by=rank needs data.source=memmap, not {d.source}")
     return Loader(source, cfg, rank, world_size, device)
 
 

@@ -54,7 +54,7 @@ from pathlib import Path
 import torch
 
 from . import hardware
-from .config import Config, HardwareConfig, ModelConfig, load_config
+from .config import Config, HardwareConfig, ModelConfig, UsageError, load_config
 
 logger = logging.getLogger(__name__)
 
@@ -301,7 +301,7 @@ def check_plan(cfg: Config, world_size: int, device: torch.device) -> None:
             f"({HEADROOM:.0%} usable)"
         )
     if problems and hw.enforce:
-        raise ValueError(
+        raise UsageError(
             "; ".join(problems) + ". Launch the planned world size, or re-plan for this machine: "
             f"`python -m {__package__}.plan --config <file>` shows every option, and "
             "`copier update --defaults -d gpus_per_node=N -d gpu_memory_gb=M` regenerates the configs "

@@ -4,16 +4,20 @@
     -> loop { train_step -> metrics -> checkpoint_save } -> teardown
 
 Launch with torchrun, e.g. `torchrun --standalone --nproc_per_node 2 -m <package>.train
---config configs/debug.toml`, or with scripts/run_local.sh.
+--config configs/debug.toml`, or with scripts/run_local.sh. Bad input (config, data path,
+checkpoint to resume, a world size the plan refuses) is found before the process group starts
+and reported once, by local rank 0, which exits with code 2 (config.EXIT_USAGE); see refuse().
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import sys
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -25,9 +29,9 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from .checkpoint import CheckpointManager, TrainState
-from .config import Config, load_config
-from .data import agree_on_steps, build_loader
+from .checkpoint import CheckpointManager, TrainState, check_resume
+from .config import EXIT_USAGE, Config, UsageError, load_config, reports_errors
+from .data import agree_on_steps, build_loader, check_data
 from .distributed import (
     DistEnv,
     LoopControl,
@@ -61,11 +65,17 @@ logger = logging.getLogger(__name__)
 
 
 def init_distributed(cfg: Config) -> DistEnv:
-    """Check the plan, join the process group on the right device and backend, build the mesh."""
+    """Check the plan and the inputs, join the process group on the right device and backend, build the mesh.
+
+    Every check before init_process_group reads only the config, the environment and the files,
+    so every rank finds the same UsageError (see refuse).
+    """
     rdzv = rendezvous_from_env(cfg.dist.init_method)
     init_logging(rdzv.rank)
     device = resolve_device(cfg.device, rdzv.local_rank)
     check_plan(cfg, rdzv.world_size, device)
+    check_data(cfg, rdzv.rank, rdzv.world_size)
+    check_resume(cfg.checkpoint)
     if device.type != "cpu":
         torch.accelerator.set_device_index(device.index)
     backend = resolve_backend(cfg.dist.backend, device, cpu_collectives=cfg.parallel.cpu_offload)
@@ -248,10 +258,31 @@ def build_metrics(cfg: Config, env: DistEnv, model: nn.Module, start_step: int) 
     )
 
 
+def refuse(error: UsageError | None) -> NoReturn:
+    """Report bad input once, without a traceback: local rank 0 prints it and exits with EXIT_USAGE.
+
+    Every rank found the same error; the others exit 0 without a word, because torchrun stops
+    every rank as soon as one fails, and could stop the reporting rank before it has printed.
+    SystemExit passes through @record without an error file: there is no traceback to keep.
+    """
+    if not reports_errors():
+        raise SystemExit(0)
+    if error is not None:  # None: tyro has printed its own refusal of the command line
+        print(f"{__package__}.train: error: {error}", file=sys.stderr)
+    raise SystemExit(EXIT_USAGE)
+
+
 @record
 def main(argv: list[str] | None = None) -> None:
-    cfg = load_config(argv)
-    env = init_distributed(cfg)
+    try:
+        cfg = load_config(argv)
+        env = init_distributed(cfg)
+    except UsageError as error:
+        refuse(error)
+    except SystemExit as tyro_exit:  # a refused command line (tyro printed why), or --help
+        if tyro_exit.code:
+            refuse(None)
+        raise
     model = state = None
     try:
         ckpt = CheckpointManager(cfg.checkpoint, Path(cfg.run_dir) / "checkpoints", env.rank, env.world_size)
