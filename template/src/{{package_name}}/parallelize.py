@@ -21,7 +21,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from .config import ParallelConfig
+from .config import ParallelConfig, UsageError
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -54,7 +54,17 @@ def apply_ac(layers: nn.ModuleList, mode: str) -> None:
         layers[i] = checkpoint_wrapper(block, preserve_rng_state=False, **kwargs)
 
 
-def apply_float8(layers: nn.ModuleList, recipe: str, device: torch.device, *, fsdp: bool) -> None:
+def check_float8(recipe: str, device: torch.device) -> None:
+    """Refuse float8 on a GPU without float8 tensor cores (before the process group starts)."""
+    if recipe != "none" and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        major, minor = torch.cuda.get_device_capability(device)
+        raise UsageError(
+            f"parallel.float8={recipe} needs float8 tensor cores (compute capability 8.9+: Ada, Hopper, Blackwell); "
+            f"this GPU is sm {major}.{minor}: set parallel.float8=none"
+        )
+
+
+def apply_float8(layers: nn.ModuleList, recipe: str, *, fsdp: bool) -> None:
     """Swap the blocks' linear layers for torchao's Float8Linear (float8 matmuls, bf16 outputs).
 
     Only the blocks: the embeddings and the output projection stay in bf16 (the logits are where
@@ -64,12 +74,6 @@ def apply_float8(layers: nn.ModuleList, recipe: str, device: torch.device, *, fs
     """
     if recipe == "none":
         return
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
-        major, minor = torch.cuda.get_device_capability(device)
-        raise ValueError(
-            f"parallel.float8={recipe} needs float8 tensor cores (compute capability 8.9+: Ada, Hopper, Blackwell); "
-            f"this GPU is sm {major}.{minor}: set parallel.float8=none"
-        )
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     config = Float8LinearConfig.from_recipe_name(recipe)

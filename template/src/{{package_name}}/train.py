@@ -54,6 +54,7 @@ from .parallelize import (
     apply_compile,
     apply_float8,
     apply_fsdp,
+    check_float8,
     gradient_sync,
     init_weights_from_rank0,
     wrap_ddp,
@@ -76,6 +77,7 @@ def init_distributed(cfg: Config) -> DistEnv:
     check_plan(cfg, rdzv.world_size, device)
     check_data(cfg, rdzv.rank, rdzv.world_size)
     check_resume(cfg.checkpoint)
+    check_float8(cfg.parallel.float8, device)
     if device.type != "cpu":
         torch.accelerator.set_device_index(device.index)
     backend = resolve_backend(cfg.dist.backend, device, cpu_collectives=cfg.parallel.cpu_offload)
@@ -93,7 +95,7 @@ def build_model_meta(cfg: Config, env: DistEnv, *, init_weights: bool) -> nn.Mod
     with torch.device("meta"):
         model = build_model(cfg.model)
     p = cfg.parallel
-    apply_float8(model.layers, p.float8, env.device, fsdp=p.sharding != "no_shard")
+    apply_float8(model.layers, p.float8, fsdp=p.sharding != "no_shard")
     apply_ac(model.layers, p.activation_checkpointing)
     if p.compile:
         apply_compile(model.layers, p.compile_backend)
