@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -60,3 +61,30 @@ def test_rendered_answers_file_replays(tmp_path):
     for path in first.rglob("*"):
         if path.is_file() and path.name != ".copier-answers.yml":
             assert path.read_bytes() == (second / path.relative_to(first)).read_bytes(), path
+
+
+def test_generated_ci_reports_a_newer_template(tmp_path):
+    """The generated workflow's template-update step, run as written: silent on the newest tag,
+    a warning and a job summary once the template has a newer one."""
+    tpl = tagged_template(tmp_path, "v1.0.0")
+    dst = committed_render(tpl, tmp_path / "proj", {"accelerator": "cpu", "model_size": "debug"}, "v1.0.0")
+    workflow = yaml.safe_load((dst / ".github" / "workflows" / "ci.yml").read_text())
+    (step,) = [s for s in workflow["jobs"]["template-update"]["steps"] if s.get("name") == "Check for a newer template"]
+    assert "--trust" not in step["run"]
+
+    def check() -> tuple[str, str]:
+        summary = tmp_path / "summary.md"
+        summary.unlink(missing_ok=True)
+        env = {**os.environ, "GITHUB_STEP_SUMMARY": str(summary)}
+        proc = subprocess.run(["bash", "-e", "-c", step["run"]], cwd=dst, env=env, capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return proc.stdout, summary.read_text() if summary.exists() else ""
+
+    out, summary = check()
+    assert "::warning" not in out and "1.0.0 is the newest release" in out and summary == ""
+    (tpl / "README.md").write_text((tpl / "README.md").read_text() + "\nA template change.\n")
+    git(tpl, "commit", "-qam", "v1.1.0")
+    git(tpl, "tag", "v1.1.0")
+    out, summary = check()
+    assert "::warning title=Template update available::fsdp-template 1.1.0 is out; this repo is on 1.0.0" in out
+    assert "copier update --defaults" in summary and "1.1.0" in summary

@@ -28,15 +28,16 @@ SETS = {
     "two_nodes_defaults": {"num_nodes": 2, "model_size": "1b"},
     "cpu_tcp_all": {
         "accelerator": "cpu", "model_size": "debug", "num_nodes": 2, "gpus_per_node": 1, "sharding": "full",
-        "init_method": "tcp", "launchers": ["torchrun", "slurm", "kubernetes"],
+        "init_method": "tcp", "launchers": ["torchrun", "slurm", "kubernetes", "kubernetes_trainjob"],
     },
     "volta_file_all": {
         "gpu_arch": "volta", "gpus_per_node": 4, "gpu_memory_gb": 32, "model_size": "125m", "mixed_precision": "fp16",
         "num_nodes": 3, "init_method": "file", "resume": "never", "ci_workflow": False,
-        "launchers": ["torchrun", "slurm", "kubernetes"],
+        "launchers": ["torchrun", "slurm", "kubernetes", "kubernetes_trainjob"],
     },
     "xpu_kubernetes": {
-        "accelerator": "xpu", "gpus_per_node": 4, "model_size": "3b", "backend": "xccl", "launchers": ["kubernetes"],
+        "accelerator": "xpu", "gpus_per_node": 4, "model_size": "3b", "backend": "xccl",
+        "launchers": ["kubernetes", "kubernetes_trainjob"],
         "project_name": "9Lives.Model_X", "package_name": "lives",
     },
     "cpu_no_launchers": {"accelerator": "cpu", "model_size": "debug", "launchers": [], "ci_workflow": False},
@@ -45,8 +46,10 @@ SETS = {
 LAUNCHER_FILES = {
     "torchrun": ["scripts/run_multinode.sh"],
     "slurm": ["scripts/slurm.sbatch", "logs/.gitignore"],
-    "kubernetes": ["k8s/pytorchjob.yaml", "k8s/runs-pvc.yaml"],
+    "kubernetes": ["k8s/pytorchjob.yaml"],
+    "kubernetes_trainjob": ["k8s/trainjob.yaml"],
 }
+K8S = {"kubernetes", "kubernetes_trainjob"}
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +81,8 @@ def test_each_launcher_renders_its_files_and_only_those(renders, name):
         if path.is_file():
             text = path.read_text(errors="ignore")
             assert "{{" not in text and "{%" not in text, path
-    assert not (root / "k8s").exists() or "kubernetes" in answers["launchers"]
+    assert (root / "k8s" / "runs-pvc.yaml").is_file() == bool(K8S & set(answers["launchers"]))
+    assert not (root / "k8s").exists() or K8S & set(answers["launchers"])
 
 
 def test_a_multi_node_plan_needs_a_launcher(tmp_path):
@@ -383,6 +387,75 @@ def test_pytorchjob_is_valid_and_matches_the_plan(renders, name):
     assert re.fullmatch(r"[1-9][0-9]*Gi", pvc["spec"]["resources"]["requests"]["storage"])
 
 
+def unknown_fields(value, annotation, path: str = "") -> list[str]:
+    """Keys that are not fields of the kubeflow-trainer-api (pydantic) model they sit in, at any
+    depth: pydantic ignores unknown keys, and the API server would drop or refuse them."""
+    import typing
+
+    from pydantic import BaseModel
+
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    origin = typing.get_origin(annotation)
+    if origin in (list, typing.List):  # noqa: UP006
+        return [e for i, item in enumerate(value) for e in unknown_fields(item, args[0], f"{path}[{i}]")]
+    if origin in (dict, typing.Dict):  # noqa: UP006
+        return [e for k, item in value.items() for e in unknown_fields(item, args[1], f"{path}.{k}")]
+    if origin is typing.Union:
+        return unknown_fields(value, args[0], path) if len(args) == 1 else []
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel) and isinstance(value, dict):
+        fields = {(f.alias or name): f.annotation for name, f in annotation.model_fields.items()}
+        errors = [f"{path}.{k}: not a field of {annotation.__name__}" for k in value if k not in fields]
+        return errors + [
+            e for k, item in value.items() if k in fields for e in unknown_fields(item, fields[k], f"{path}.{k}")
+        ]
+    return []
+
+
+@pytest.mark.parametrize("name", ["cpu_tcp_all", "volta_file_all", "xpu_kubernetes"])
+def test_trainjob_is_valid_and_matches_the_plan(renders, name):
+    models = pytest.importorskip("kubeflow_trainer_api.models", reason="kubeflow-trainer-api is not installed")
+    root, answers = renders[name], answers_of(renders[name])
+    doc = yaml.safe_load((root / "k8s" / "trainjob.yaml").read_text())
+    errors = unknown_fields(doc, models.TrainerV1alpha1TrainJob)
+    assert not errors, "\n".join(errors)
+    job = models.TrainerV1alpha1TrainJob.from_dict(doc)  # strict types, required fields
+
+    assert job.api_version == "trainer.kubeflow.org/v1alpha1" and job.kind == "TrainJob"
+    # The CRD's rules: an RFC 1035 label of at most 63 characters.
+    assert re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", job.metadata.name) and len(job.metadata.name) <= 63
+    ref = job.spec.runtime_ref
+    assert (ref.api_group, ref.kind) == ("trainer.kubeflow.org", "ClusterTrainingRuntime")
+    assert ref.name == "torch-distributed"
+    trainer = job.spec.trainer
+    assert trainer.num_nodes == answers["num_nodes"] and trainer.num_proc_per_node == answers["gpus_per_node"]
+    assert trainer.image
+    resource = {"cuda": "nvidia.com/gpu", "xpu": "gpu.intel.com/i915"}.get(answers["accelerator"])
+    limits = doc["spec"]["trainer"].get("resourcesPerNode", {}).get("limits", {})
+    assert limits == ({resource: str(answers["gpus_per_node"])} if resource else {})
+    command = trainer.command
+    # torchrun, as the torch-distributed runtime expects: it reads the PET_* variables the runtime sets.
+    assert command[:3] == ["torchrun", "-m", f"{answers['package_name']}.train"]
+    config = command[command.index("--config") + 1]
+    assert (
+        config == f"/workspace/configs/{answers['model_size']}.toml" and (root / config[len("/workspace/") :]).is_file()
+    )
+    assert command[command.index("--run_dir") + 1] == f"/workspace/runs/{answers['model_size']}"
+    init = tomllib.loads((root / config[len("/workspace/") :]).read_text())["dist"]["init_method"]
+    assert init.startswith("env://") or command[command.index("--dist.init_method") + 1] == "env://"
+
+    # The run volume reaches the runtime's "node" job and container through a runtime patch.
+    (patch,) = job.spec.runtime_patches
+    (node,) = patch.training_runtime_spec.template.spec.replicated_jobs
+    pod = node.template.spec.template.spec
+    (container,) = pod.containers
+    assert node.name == "node" and container.name == "node"
+    claims = {v.name: v.persistent_volume_claim.claim_name for v in pod.volumes if v.persistent_volume_claim}
+    mounts = {m.name: m.mount_path for m in container.volume_mounts}
+    assert mounts["runs"] == "/workspace/runs" and mounts["dshm"] == "/dev/shm"
+    pvc = yaml.safe_load((root / "k8s" / "runs-pvc.yaml").read_text())
+    assert claims["runs"] == pvc["metadata"]["name"]
+
+
 def test_pvc_is_sized_for_the_checkpoints(renders):
     def gib(name: str) -> int:
         pvc = yaml.safe_load((renders[name] / "k8s" / "runs-pvc.yaml").read_text())
@@ -399,8 +472,9 @@ def test_ci_workflow_installs_lints_and_runs_the_smoke_test(renders):
     root = renders["one_node_defaults"]
     workflow = yaml.safe_load((root / ".github" / "workflows" / "ci.yml").read_text())
     triggers = workflow.get("on", workflow.get(True))  # YAML 1.1 reads the key `on` as true
-    assert "push" in triggers and "pull_request" in triggers
-    (job,) = workflow["jobs"].values()
+    assert {"push", "pull_request", "schedule", "workflow_dispatch"} <= set(triggers)
+    assert set(workflow["jobs"]) == {"test", "template-update"}
+    job = workflow["jobs"]["test"]
     steps = job["steps"]
     uses = [s["uses"].split("@")[0] for s in steps if "uses" in s]
     assert uses == ["actions/checkout", "actions/setup-python"]
@@ -409,8 +483,12 @@ def test_ci_workflow_installs_lints_and_runs_the_smoke_test(renders):
     pin = re.search(r'"(torch==[^"]+)"', (root / "pyproject.toml").read_text()).group(1)
     cpu_wheel = f"pip install {pin} --index-url https://download.pytorch.org/whl/cpu"
     assert runs.index(cpu_wheel) < runs.index('pip install -e ".[dev]"')  # so pip keeps the CPU build
-    for command in ["ruff check .", "ruff format --check .", "pytest"]:
+    for command in ["ruff check .", "ruff format --check .", "pytest", "pytest -m full"]:
         assert command in runs, command
+    # The fast tier on pushes and pull requests, the full tier on the schedule and on demand.
+    tiers = {s["run"]: s["if"] for s in steps if s.get("run") in ("pytest", "pytest -m full")}
+    assert "push" in tiers["pytest"] and "schedule" not in tiers["pytest"]
+    assert "schedule" in tiers["pytest -m full"] and "workflow_dispatch" in tiers["pytest -m full"]
 
 
 def test_readme_explains_each_selected_launcher(renders):
@@ -422,6 +500,7 @@ def test_readme_explains_each_selected_launcher(renders):
             "torchrun": "bash scripts/run_multinode.sh configs/",
             "slurm": "sbatch scripts/slurm.sbatch",
             "kubernetes": "kubectl apply -f k8s/pytorchjob.yaml",
+            "kubernetes_trainjob": "kubectl apply -f k8s/trainjob.yaml",
         }
         for launcher, command in expected.items():
             assert (command in readme) == (launcher in answers["launchers"]), (name, launcher)
