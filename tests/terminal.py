@@ -146,10 +146,9 @@ class CopierSession:
         prompt = self.current
         target = prompt.choices.index(prompt.choice(label_start))
         assert not prompt.choices[target].disabled, f"{label_start} is disabled: {prompt.choices[target].disabled}"
+        # questionary skips disabled choices, so each press moves to the next enabled one.
         lo, hi = sorted((prompt.pointer, target))
-        moves = sum(1 for c in prompt.choices[lo + 1 : hi + 1] if not c.disabled)
-        if target < prompt.pointer:
-            moves = sum(1 for c in prompt.choices[lo:hi] if not c.disabled)
+        moves = sum(1 for c in prompt.choices[lo : hi + 1] if not c.disabled) - 1  # the highlighted one is enabled
         self.child.send((DOWN if target > prompt.pointer else UP) * moves + ENTER)
 
     def type(self, value: str) -> str:

@@ -161,8 +161,6 @@ def test_impossible_picks_on_one_gpu_node_are_disabled_or_refused(session, tmp_p
     assert "choose zero_optimizer=true" in refusals["zero_optimizer=no"]
     assert NUMBERS.search(refusals["zero_optimizer=no"])
     assert "cannot run collectives on cuda" in refusals["backend=xccl"]
-    for what, message in refusals.items():
-        assert "Validation error for question" in message or not message.startswith("Validation"), what
     answers = assert_valid_plan(tmp_path, tmp_path / "proj")
     assert (answers["sharding"], answers["zero_optimizer"], answers["package_name"]) == ("no_shard", True, "mymodel")
 
