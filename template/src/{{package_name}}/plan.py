@@ -52,17 +52,16 @@ from dataclasses import dataclass
 import torch
 
 from .config import Config, ModelConfig, UsageError
+from .presets import GPU_ARCHS, HEADROOM, LINK_GBPS, PEAK_TFLOPS
 
 logger = logging.getLogger(__name__)
 
-HEADROOM = 0.9
 GIB = 2**30
 SHARDINGS = ("no_shard", "shard_grad_op", "full", "hybrid")
 AC_MODES = ("none", "selective", "full")
-# Effective per-GPU bandwidth of each link in GB/s, for ring collectives (rough, conservative).
-LINK_GBPS = {"nvlink": 150.0, "pcie": 16.0, "infiniband": 25.0, "ethernet": 3.0, "": 150.0}
-# Dense bf16 peak TFLOP/s by generation, for the compute side of the communication estimate.
-ARCH_TFLOPS = {"blackwell": 2250.0, "hopper": 989.0, "ada": 362.0, "ampere": 312.0, "turing": 65.0, "volta": 125.0}
+# Peak TFLOP/s by generation (its flagship device's), for the compute side of the communication
+# estimate; XPU and CPU plans assume an A100.
+ARCH_TFLOPS = {arch: PEAK_TFLOPS[spec["flagship"]] for arch, spec in GPU_ARCHS.items()}
 
 
 @dataclass(frozen=True)
@@ -257,7 +256,7 @@ def step_seconds(s: ModelShape, cfg: Config, sharding: str, zero_optimizer: bool
     hw, t = cfg.hardware, cfg.train
     world = hw.gpus_per_node * hw.num_nodes
     tokens_per_rank = t.global_batch_size * t.seq_len / world
-    compute = 6 * s.P * tokens_per_rank / (0.4 * ARCH_TFLOPS.get(hw.gpu_arch, 312.0) * 1e12)
+    compute = 6 * s.P * tokens_per_rank / (0.4 * ARCH_TFLOPS.get(hw.gpu_arch, ARCH_TFLOPS["ampere"]) * 1e12)
     p = cfg.parallel
     sent = communication_bytes(s, sharding, p.mixed_precision, hw.gpus_per_node, hw.num_nodes, zero_optimizer, p.float8)
     comm = sent["intra"] / (LINK_GBPS[hw.intra_node_link] * 1e9) + sent["inter"] / (LINK_GBPS[hw.inter_node_link] * 1e9)

@@ -11,17 +11,15 @@ from . import hardware
 from .config import Config, HardwareConfig, load_config
 from .plan import grad_accum, plan_for, recommend
 from .plan_report import format_table
+from .presets import DEFAULT_BACKEND, DEFAULT_PRECISION
 
 # copier.yml's hardware questions, in its order.
 HARDWARE_QUESTIONS = ("accelerator", "gpu_arch", "gpus_per_node", "gpu_memory_gb", "intra_node_link")
-DEFAULT_BACKEND = {"cuda": "nccl", "xpu": "xccl", "cpu": "gloo"}
 
 
 def default_precision(hw: HardwareConfig) -> str:
     """copier.yml's default mixed_precision: no bf16 before Ampere, fp32 on CPU."""
-    if hw.accelerator == "cpu":
-        return "fp32"
-    return "fp16" if hw.accelerator == "cuda" and hw.gpu_arch in ("turing", "volta") else "bf16"
+    return DEFAULT_PRECISION[hw.gpu_arch if hw.accelerator == "cuda" else hw.accelerator]
 
 
 def asked(question: str, hw: HardwareConfig) -> bool:
