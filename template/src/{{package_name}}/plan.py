@@ -39,9 +39,9 @@ dtype of p bytes and T = micro_batch_size * seq_len tokens, bytes per rank are:
 The peak is params + optim + gathered + gradbuf + activations + the gradients alive during the
 forward pass: none with one micro-batch per step (zero_grad(set_to_none) frees them first);
 with accumulation the sharded 4P/G, or 4P when FSDP keeps unsharded fp32 gradients until the
-last micro-batch (gradient sync skipped, the default). A plan fits when its peak is at most 90%
-of device memory; the rest covers the CUDA context, NCCL buffers and allocator fragmentation,
-which `max_memory_allocated` does not count.
+last micro-batch (gradient sync skipped, the default). A plan fits when its peak is at most
+HEADROOM (presets.py) of device memory; the rest covers the CUDA context, NCCL buffers and
+allocator fragmentation, which `max_memory_allocated` does not count.
 """
 
 from __future__ import annotations
