@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from conftest import JINJA, TEMPLATE, hook, render
 
 PRESETS = JINJA.get_template("hooks/presets.jinja").module.LLAMA_PRESETS
@@ -274,3 +275,13 @@ def test_generated_python_reads_presets_and_defaults_from_the_rendered_table(pla
     assert (ModelConfig().dim, ModelConfig().image_size) == (hooks.LLAMA_PRESETS["debug"]["dim"], vit["image_size"])
     train = TrainConfig()
     assert (train.steps, train.lr, CheckpointConfig().interval) == (run["steps"], run["lr"], run["checkpoint_interval"])
+
+
+def test_gpu_generations_agree_with_the_question_and_the_probe():
+    # hwprobe.py runs before copier, with nothing but Python, so it keeps its own list of the generations.
+    probe = (TEMPLATE / "hwprobe.py").read_text()
+    archs = ast.literal_eval(re.search(r"^ARCHS = (\(.*\))$", probe, re.M).group(1))
+    choices = yaml.safe_load((TEMPLATE / "copier.yml").read_text())["gpu_arch"]["choices"]
+    assert list(choices.values()) == list(HOOKS.GPU_ARCHS) == list(archs)
+    for label, arch in choices.items():
+        assert f"sm {HOOKS.GPU_ARCHS[arch]['sm']}" in label, label
