@@ -19,6 +19,7 @@ from .presets import PEAK_TFLOPS
 
 logger = logging.getLogger(__name__)
 
+
 def init_logging(rank: int) -> None:
     """INFO from rank 0 only; warnings and errors from every rank, tagged with the rank."""
     logging.basicConfig(
