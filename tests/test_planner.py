@@ -3,13 +3,17 @@ run time (the generated plan.py) on a grid of inputs."""
 
 from __future__ import annotations
 
+import ast
 import importlib
 import itertools
 import json
+import re
 import sys
+from pathlib import Path
 
 import pytest
-from conftest import JINJA, hook, render
+import yaml
+from conftest import JINJA, TEMPLATE, hook, render
 
 PRESETS = JINJA.get_template("hooks/presets.jinja").module.LLAMA_PRESETS
 GIB = 2**30
@@ -211,3 +215,73 @@ def test_float8_all_gather_is_counted_alike_at_question_and_run_time(plan):
     bf16, f8 = plan.memory_plan(s, **kw), plan.memory_plan(s, float8="tensorwise", **kw)
     assert bf16.gathered - f8.gathered == 2 * (s.Pb - 2 * 4096) == 2 * (218_112_000 - 8192)
     assert plan.memory_plan(s, float8="rowwise", **kw).gathered == bf16.gathered  # rowwise gathers bf16
+
+
+# Literals that only hooks/presets.jinja may hold: every other file (copier.yml, the hooks, the
+# generated repo's code and docs) reads them from there, or from the presets.py rendered from it.
+HOOKS = JINJA.get_template("hooks/presets.jinja").module
+ONE_SOURCE = {
+    "peak TFLOP/s": [rf"\b{int(v)}(\.0)?\b" for v in HOOKS.PEAK_TFLOPS.values()],
+    "default backend": [r"""["']cuda["']\s*:\s*["']nccl["']"""],
+    "GPUs without bf16": [r"""["']turing["'],\s*["']volta["']"""],
+    "GPUs with float8": [r"""["']ada["'],\s*["']hopper["'],\s*["']blackwell["']"""],
+    "link speeds": [r"""nvlink["']?\s*:\s*\d""", r"NVLink \d", r"\b150(\.0)?\b"],
+    "headroom": [r"HEADROOM\s*=\s*\d"],
+    "the debug run": [r"\d\)?\s+if (debug|vit) else"],  # config.jinja's debug branch reads DEBUG_RUN
+}
+
+
+def literal_sites(root, pattern: str) -> list[str]:
+    files = [root / "copier.yml", *(root / "hooks").iterdir(), *(root / "template").rglob("*")]
+    return sorted(str(f.relative_to(root)) for f in files if f.is_file() and re.search(pattern, f.read_text()))
+
+
+@pytest.mark.parametrize("fact", ONE_SOURCE)
+def test_each_preset_and_default_is_written_once(fact):
+    # The patterns are the shapes the copies had before there was one source (each matched 2-3 files).
+    for pattern in ONE_SOURCE[fact]:
+        assert set(literal_sites(TEMPLATE, pattern)) <= {"hooks/presets.jinja"}, (fact, pattern)
+
+
+def test_generated_python_reads_presets_and_defaults_from_the_rendered_table(plan):
+    hooks = HOOKS
+    presets = importlib.import_module("planpkg.presets")
+    for name in ("LLAMA_PRESETS", "VIT_PRESETS", "DEBUG_RUN", "PEAK_TFLOPS", "GPU_ARCHS", "LINK_GBPS", "HEADROOM",
+                 "DEFAULT_BACKEND"):  # fmt: skip
+        assert getattr(presets, name) == getattr(hooks, name), name
+    for kind in presets.GPU_ARCHS:
+        assert presets.DEFAULT_PRECISION[kind] == hook("presets", "default_precision", "cuda", kind)
+    for kind in ("xpu", "cpu"):
+        assert presets.DEFAULT_PRECISION[kind] == hook("presets", "default_precision", kind, "")
+    assert plan.ARCH_TFLOPS["hopper"] == presets.PEAK_TFLOPS["H100"] == 989.0  # a generation's flagship
+    # config.py's defaults are the debug run, by reference: none of the fields the presets set has a literal default.
+    from planpkg.config import CheckpointConfig, ModelConfig, TrainConfig
+
+    source = ast.parse((Path(plan.__file__).parent / "config.py").read_text())
+    classes = {node.name: node for node in source.body if isinstance(node, ast.ClassDef)}
+    preset_fields = {
+        "ModelConfig": set(hooks.LLAMA_PRESETS["debug"]) | set(hooks.VIT_PRESETS["vit-debug"]),
+        "TrainConfig": {"steps", "global_batch_size", "micro_batch_size", "seq_len", "lr", "warmup_steps"},
+        "CheckpointConfig": {"interval"},
+    }
+    checked = 0
+    for cls, names in preset_fields.items():
+        for node in classes[cls].body:
+            if isinstance(node, ast.AnnAssign) and node.target.id in names:
+                assert not isinstance(node.value, ast.Constant), f"{cls}.{node.target.id} copies a preset's value"
+                checked += 1
+    assert checked == 20
+    run, vit = hooks.DEBUG_RUN, hooks.VIT_PRESETS["vit-debug"]
+    assert (ModelConfig().dim, ModelConfig().image_size) == (hooks.LLAMA_PRESETS["debug"]["dim"], vit["image_size"])
+    train = TrainConfig()
+    assert (train.steps, train.lr, CheckpointConfig().interval) == (run["steps"], run["lr"], run["checkpoint_interval"])
+
+
+def test_gpu_generations_agree_with_the_question_and_the_probe():
+    # hwprobe.py runs before copier, with nothing but Python, so it keeps its own list of the generations.
+    probe = (TEMPLATE / "hwprobe.py").read_text()
+    archs = ast.literal_eval(re.search(r"^ARCHS = (\(.*\))$", probe, re.M).group(1))
+    choices = yaml.safe_load((TEMPLATE / "copier.yml").read_text())["gpu_arch"]["choices"]
+    assert list(choices.values()) == list(HOOKS.GPU_ARCHS) == list(archs)
+    for label, arch in choices.items():
+        assert f"sm {HOOKS.GPU_ARCHS[arch]['sm']}" in label, label

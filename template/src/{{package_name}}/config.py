@@ -23,6 +23,11 @@ from typing import Literal
 
 import tyro
 
+from .presets import DEBUG_RUN, LLAMA_PRESETS, VIT_PRESETS
+
+# The defaults are the debug run's (configs/debug.toml), from presets.py.
+DEBUG, VIT_DEBUG = LLAMA_PRESETS["debug"], VIT_PRESETS["vit-debug"]
+
 EXIT_USAGE = 2
 """Exit code of the rank that reports bad input (argparse's and tyro's code too); see TROUBLESHOOTING.md."""
 
@@ -50,57 +55,57 @@ class ModelConfig:
     """Model family; models/__init__.py maps it to a class."""
     preset: str = "debug"
     """Name of the size preset these shapes came from (informational)."""
-    vocab_size: int = 256
+    vocab_size: int = DEBUG["vocab_size"]
     """Vocabulary size (embedding rows and output logits)."""
-    dim: int = 128
+    dim: int = DEBUG["dim"]
     """Hidden size."""
-    n_layers: int = 4
+    n_layers: int = DEBUG["n_layers"]
     """Number of decoder blocks; each block is one FSDP unit."""
-    n_heads: int = 4
+    n_heads: int = DEBUG["n_heads"]
     """Attention heads."""
-    n_kv_heads: int = 2
+    n_kv_heads: int = DEBUG["n_kv_heads"]
     """Key/value heads (grouped-query attention); must divide n_heads."""
-    ffn_hidden_dim: int = 384
+    ffn_hidden_dim: int = DEBUG["ffn_hidden_dim"]
     """SwiGLU hidden size."""
     norm_eps: float = 1e-5
     """RMSNorm epsilon."""
-    rope_theta: float = 10000.0
+    rope_theta: float = DEBUG["rope_theta"]
     """Rotary embedding base."""
-    max_seq_len: int = 64
+    max_seq_len: int = DEBUG["max_seq_len"]
     """Longest sequence the rotary cache covers."""
-    tie_embeddings: bool = True
+    tie_embeddings: bool = DEBUG["tie_embeddings"]
     """Share the input embedding and output projection weights."""
     hf_architecture: str = "llama"
     """hf_causal_lm: the transformers model type built from the shapes above (llama, qwen2, mistral, ...)."""
     hf_config: str = ""
     """hf_causal_lm: a local directory with a transformers config.json to build from instead."""
-    image_size: int = 32
+    image_size: int = VIT_DEBUG["image_size"]
     """vit: image height and width in pixels."""
-    patch_size: int = 8
+    patch_size: int = VIT_DEBUG["patch_size"]
     """vit: patch height and width in pixels; must divide image_size."""
-    channels: int = 3
+    channels: int = VIT_DEBUG["channels"]
     """vit: image channels."""
-    num_classes: int = 10
+    num_classes: int = VIT_DEBUG["num_classes"]
     """vit: classes to predict."""
 
 
 @dataclass
 class TrainConfig:
-    steps: int = 40
+    steps: int = DEBUG_RUN["steps"]
     """Optimizer steps in the whole run; the LR schedule spans them."""
     stop_after_steps: int = 0
     """Stop this job after this many steps (a time-boxed allocation) and save; 0 runs to `steps`."""
-    global_batch_size: int = 8
+    global_batch_size: int = DEBUG_RUN["global_batch_size"]["debug"]
     """Sequences per optimizer step, summed over all data-parallel ranks and micro-batches."""
-    micro_batch_size: int = 4
+    micro_batch_size: int = DEBUG_RUN["micro_batch_size"]["debug"]
     """Sequences per rank per forward pass; accumulation makes up the rest of the global batch."""
-    seq_len: int = 64
+    seq_len: int = DEBUG["seq_len"]
     """Tokens per sequence."""
-    lr: float = 3e-3
+    lr: float = DEBUG_RUN["lr"]
     """Peak learning rate (AdamW)."""
     min_lr_ratio: float = 0.1
     """Cosine decay floor as a fraction of lr."""
-    warmup_steps: int = 4
+    warmup_steps: int = DEBUG_RUN["warmup_steps"]
     """Linear warm-up steps."""
     weight_decay: float = 0.1
     """AdamW weight decay, applied to matrices only (not norms)."""
@@ -156,7 +161,7 @@ class DistConfig:
 class CheckpointConfig:
     format: Literal["dcp", "dcp_async"] = "dcp"
     """dcp saves synchronously; dcp_async stages to host memory and writes in the background."""
-    interval: int = 10
+    interval: int = DEBUG_RUN["checkpoint_interval"]
     """Save every N steps (and at the end of the run or job)."""
     keep_last: int = 2
     """Complete checkpoints to keep; older ones are deleted only after a newer one is complete."""

@@ -15,27 +15,9 @@ from torch import nn
 from tqdm import tqdm
 
 from .config import Config, ModelConfig
+from .presets import PEAK_TFLOPS
 
 logger = logging.getLogger(__name__)
-
-# Dense bf16 peak TFLOP/s per device (vendor data sheets, without sparsity). The first name
-# that occurs in torch's device name wins, so more specific names come first.
-PEAK_BF16_TFLOPS = {
-    "GB200": 2450.0,
-    "B200": 2250.0,
-    "H200": 989.0,
-    "H100 NVL": 835.0,
-    "H100 PCIe": 756.0,
-    "H100": 989.0,
-    "A100": 312.0,
-    "L40S": 362.0,
-    "A10G": 70.0,
-    "A10": 125.0,
-    "L4": 121.0,
-    "V100": 125.0,
-    "MI300X": 1307.0,
-    "Max 1550": 838.0,
-}
 
 
 def init_logging(rank: int) -> None:
@@ -69,7 +51,7 @@ def peak_tflops(device: torch.device, configured: float) -> float | None:
     if device.type == "cpu":
         return None
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else torch.xpu.get_device_name(device)
-    return next((tflops for key, tflops in PEAK_BF16_TFLOPS.items() if key in name), None)
+    return next((tflops for key, tflops in PEAK_TFLOPS.items() if key in name), None)
 
 
 def peak_memory_gib(device: torch.device) -> float:
