@@ -54,7 +54,8 @@ from pathlib import Path
 import torch
 
 from . import hardware
-from .config import Config, HardwareConfig, ModelConfig, UsageError, load_config
+from .config import Config, HardwareConfig, UsageError, load_config
+from .models import ModelShape
 
 logger = logging.getLogger(__name__)
 
@@ -66,34 +67,6 @@ AC_MODES = ("none", "selective", "full")
 LINK_GBPS = {"nvlink": 150.0, "pcie": 16.0, "infiniband": 25.0, "ethernet": 3.0, "": 150.0}
 # Dense bf16 peak TFLOP/s by generation, for the compute side of the communication estimate.
 ARCH_TFLOPS = {"blackwell": 2250.0, "hopper": 989.0, "ada": 362.0, "ampere": 312.0, "turing": 65.0, "volta": 125.0}
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    P: int
-    Pb: int
-    Pn: int
-    L: int
-    h: int
-    kv: int
-    f: int
-    V: int
-    tokens: int = 0
-    """Tokens per sample through the blocks (0: train.seq_len)."""
-    logits: int = 0
-    """Positions per sample that produce logits (0: every token)."""
-
-    @classmethod
-    def of(cls, m: ModelConfig) -> ModelShape:
-        kv = m.n_kv_heads * (m.dim // m.n_heads)
-        block = 2 * m.dim * m.dim + 2 * m.dim * kv + 3 * m.dim * m.ffn_hidden_dim + 2 * m.dim
-        if m.name == "vit":  # patch embedding, class token, positions, final norm, classifier head
-            patches = (m.image_size // m.patch_size) ** 2
-            outside = m.channels * m.patch_size**2 * m.dim + (patches + 4) * m.dim + m.dim * m.num_classes
-            return cls(block * m.n_layers + outside, block, outside, m.n_layers, m.dim, kv, m.ffn_hidden_dim,
-                       m.num_classes, tokens=patches + 1, logits=1)  # fmt: skip
-        outside = m.vocab_size * m.dim * (1 if m.tie_embeddings else 2) + m.dim
-        return cls(block * m.n_layers + outside, block, outside, m.n_layers, m.dim, kv, m.ffn_hidden_dim, m.vocab_size)
 
 
 @dataclass(frozen=True)

@@ -46,8 +46,8 @@ from .distributed import (
     resolve_device,
     set_collective_timeout,
 )
-from .metrics import MetricsLogger, flops_per_token, init_logging, peak_tflops
-from .models import build_model
+from .metrics import MetricsLogger, init_logging, peak_tflops
+from .models import ModelShape, build_model, model_spec
 from .parallelize import (
     DTYPES,
     apply_ac,
@@ -57,9 +57,10 @@ from .parallelize import (
     check_float8,
     gradient_sync,
     init_weights_from_rank0,
+    unwrap,
     wrap_ddp,
 )
-from .plan import ModelShape, check_plan
+from .plan import check_plan
 from .weights import export_weights, initial_state
 
 logger = logging.getLogger(__name__)
@@ -253,7 +254,7 @@ def build_metrics(cfg: Config, env: DistEnv, model: nn.Module, start_step: int) 
         start_step=start_step,
         tokens_per_step=cfg.train.global_batch_size * tokens,
         world_size=env.world_size,
-        flops_per_token=flops_per_token(model, cfg.model, tokens),
+        flops_per_token=model_spec(cfg.model.name).flops_per_token(unwrap(model), cfg.model, tokens),
         peak_tflops=peak_tflops(env.device, cfg.metrics.peak_tflops),
         device=env.device,
         rank=env.rank,
