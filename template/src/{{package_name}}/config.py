@@ -164,8 +164,10 @@ class CheckpointConfig:
     """auto (newest complete checkpoint in the run dir), never, or a checkpoint directory."""
     export: Literal["none", "safetensors", "hf"] = "none"
     """At the end of the run write the weights to <run_dir>/export: safetensors, or a Hugging Face directory."""
+    export_file_gb: float = 5.0
+    """Largest export file in GB; a bigger model is split into model-0000x-of-0000y.safetensors with an index."""
     init_from: str = ""
-    """Start from these weights (a .safetensors file or a Hugging Face directory) instead of a random init."""
+    """Start from these weights (a directory of safetensors files, ours or Hugging Face's) instead of a random init."""
 
 
 @dataclass
@@ -303,6 +305,7 @@ class Config:
             "parallel.prefetch_blocks needs a sharded mode: no_shard (DDP) gathers no parameters",
         )
         require(c.interval > 0, f"checkpoint.interval={c.interval} must be positive")
+        require(c.export_file_gb > 0, f"checkpoint.export_file_gb={c.export_file_gb} must be positive")
         require(c.keep_last >= 1, f"checkpoint.keep_last={c.keep_last} must be at least 1")
         require(self.data.synthetic_branching >= 1, "data.synthetic_branching must be at least 1")
         require(self.metrics.log_every > 0, f"metrics.log_every={self.metrics.log_every} must be positive")

@@ -61,7 +61,7 @@ from .parallelize import (
     wrap_ddp,
 )
 from .plan import check_plan
-from .weights import export_weights, initial_state
+from .weights import check_init_from, export_weights, initial_state, load_pretrained
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +78,7 @@ def init_distributed(cfg: Config) -> DistEnv:
     check_plan(cfg, rdzv.world_size, device)
     check_data(cfg, rdzv.rank, rdzv.world_size)
     check_resume(cfg.checkpoint)
+    check_init_from(cfg)
     check_float8(cfg.parallel.float8, device)
     if device.type != "cpu":
         torch.accelerator.set_device_index(device.index)
@@ -105,7 +106,9 @@ def build_model_meta(cfg: Config, env: DistEnv, *, init_weights: bool) -> nn.Mod
     # Allocates only this rank's shards (on the host with CPU offload); the contents are garbage.
     model.to_empty(device=env.device)
     model.tie_weights()
-    if init_weights:  # a resumed run gets its weights from the checkpoint instead
+    if init_weights and cfg.checkpoint.init_from:  # a resumed run gets its weights from the checkpoint
+        load_pretrained(model, cfg)
+    elif init_weights:
         init_weights_from_rank0(model, lambda: initial_state(cfg))
     # Non-persistent buffers are neither broadcast nor checkpointed: every rank recomputes them.
     model.init_buffers()
