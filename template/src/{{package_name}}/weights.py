@@ -13,7 +13,6 @@ convert.py."""
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 from pathlib import Path
@@ -31,6 +30,7 @@ from .config import Config, ModelConfig, UsageError
 from .models import build_model, model_spec
 
 logger = logging.getLogger(__name__)
+INDEX = "model.safetensors.index.json"
 
 
 def shared_keys(model: torch.nn.Module) -> dict[str, str]:
@@ -43,9 +43,6 @@ def shared_keys(model: torch.nn.Module) -> dict[str, str]:
         else:
             first[id(param)] = name
     return aliases
-
-
-INDEX = "model.safetensors.index.json"
 
 
 def stored_names(cfg: ModelConfig, fmt: str) -> dict[str, str]:
@@ -64,15 +61,13 @@ def _renamer(cfg: ModelConfig, fmt: str):
     return spec.hf.to_hf
 
 
-def stored_keys(directory: Path) -> set[str]:
-    """Tensor names in a directory of safetensors files, read from the index or the file headers only."""
-    if (directory / INDEX).is_file():
-        return set(json.loads((directory / INDEX).read_text())["weight_map"])
-    keys: set[str] = set()
+def stored_shapes(directory: Path) -> dict[str, list[int]]:
+    """Shape of every tensor in a directory of safetensors files, read from the file headers only."""
+    shapes = {}
     for file in directory.glob("*.safetensors"):
         with safe_open(file, "pt") as f:
-            keys.update(f.keys())
-    return keys
+            shapes.update({k: f.get_slice(k).get_shape() for k in f.keys()})
+    return shapes
 
 
 def weights_dir(path: Path) -> Path:
@@ -89,18 +84,27 @@ def weights_dir(path: Path) -> Path:
 
 def match_names(cfg: ModelConfig, directory: Path) -> dict[str, str]:
     """How the files in `directory` name this model's parameters; ValueError naming the misfit if they do not."""
-    stored, aliases = stored_keys(directory), shared_keys(build_model_on_meta(cfg))
+    model = build_model_on_meta(cfg)
+    stored, aliases, expected = stored_shapes(directory), shared_keys(model), model.state_dict()
     misfits = []
     for fmt in ("safetensors", "hf") if model_spec(cfg.name).hf else ("safetensors",):
         names, rename = stored_names(cfg, fmt), _renamer(cfg, fmt)
         # A tied head may be stored besides its embedding; it is then ignored.
-        missing = set(names.values()) - stored
-        extra = stored - set(names.values()) - {rename(a) for a in aliases}
+        missing = set(names.values()) - set(stored)
+        extra = set(stored) - set(names.values()) - {rename(a) for a in aliases}
         if not missing and not extra:
-            return names
+            break
         misfits.append((len(missing) + len(extra), sorted(missing)[:5], sorted(extra)[:5]))
-    _, missing, extra = min(misfits)
-    raise ValueError(f"{directory} does not fit model {cfg.preset}: missing {missing}, unexpected {extra}")
+    else:
+        _, missing, extra = min(misfits)
+        raise ValueError(f"{directory} does not fit model {cfg.preset}: missing {missing}, unexpected {extra}")
+    shapes = [f"{name} is {stored[name]} there, {list(expected[k].shape)} here" for k, name in names.items()
+              if stored[name] != list(expected[k].shape)]  # fmt: skip
+    if shapes:
+        raise ValueError(
+            f"{directory} does not fit model {cfg.preset} (check the model.* sizes): {'; '.join(shapes[:3])}"
+        )
+    return names
 
 
 def check_init_from(cfg: Config) -> None:
