@@ -7,7 +7,10 @@
 2. Model-state bytes: parameters + gradients + AdamW state held by one of 2 ranks, measured,
    over the ideal 16 P / N.
 3. Checkpoint blocking: how long the loop waits for an async save over a synchronous one.
-4. Rendering a project, and the generated smoke test, in seconds.
+4. Host memory for pretrained weights at world size 2: the peak a rank adds while loading
+   (`checkpoint.init_from`) and exporting through DCP's Hugging Face reader and writer (each rank
+   its own slices) over the same through one full copy on rank 0 (the path before them).
+5. Rendering a project, and the generated smoke test, in seconds.
 
 Timings vary with the machine; the ratios are what the README records.
 """
@@ -117,6 +120,80 @@ def checkpoint_blocked_seconds(project: Path, run: Path, fmt: str) -> float:
     return statistics.median(e["blocked_s"] for e in events[:-1])  # the final save also waits for the last write
 
 
+WEIGHTS_MEMORY = """
+import json, sys, threading, time
+from pathlib import Path
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from bench_pkg import train, weights
+from bench_pkg.config import load_config
+from bench_pkg.parallelize import init_weights_from_rank0
+
+PAGE = 4096
+
+
+def rss() -> int:
+    # Resident memory not backed by a file: mapped safetensors pages are page cache, not held memory.
+    resident, shared = Path("/proc/self/statm").read_text().split()[1:3]
+    return (int(resident) - int(shared)) * PAGE
+
+
+def peak_added(work) -> int:
+    base, peak, done = rss(), [0], threading.Event()
+
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], rss())
+            time.sleep(0.0005)
+
+    thread = threading.Thread(target=sample)
+    thread.start()
+    work()
+    done.set()
+    thread.join()
+    return max(peak[0], rss()) - base
+
+
+op, path, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+cfg = load_config(sys.argv[4:])
+env = train.init_distributed(cfg)
+model = train.build_model_meta(cfg, env, init_weights=False)
+if op == "load_sharded":
+    cfg.checkpoint.init_from = path
+    added = peak_added(lambda: weights.load_pretrained(model, cfg))
+elif op == "load_rank0":
+    added = peak_added(lambda: init_weights_from_rank0(model, lambda: weights.load(Path(path), cfg.model)))
+elif op == "export_sharded":
+    added = peak_added(lambda: weights.export_weights(model, cfg, Path(path), env.is_main))
+else:
+    def gather_and_save():
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if env.is_main:
+            weights.save(full, cfg.model, Path(path), "safetensors")
+
+    added = peak_added(gather_and_save)
+(out / f"{op}_rank{env.rank}.json").write_text(json.dumps(added))
+"""
+
+
+def weights_memory_ratios(project: Path, tmp: Path) -> tuple[float, float, int, int, int, int]:
+    """Peak host bytes a rank adds (the larger of 2 ranks): sharded / rank-0 path, for load and for export."""
+    script = tmp / "weights_memory.py"
+    script.write_text(WEIGHTS_MEMORY)
+    added = {}
+    for op, path in [("export_sharded", tmp / "exported"), ("export_rank0", tmp / "exported_rank0"),
+                     ("load_sharded", tmp / "exported"), ("load_rank0", tmp / "exported")]:  # fmt: skip
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script), op,
+               str(path), str(tmp), "--config", str(project / "configs" / "debug.toml"), "--device", "cpu",
+               "--run_dir", str(tmp / "weights_run"), "--checkpoint.export", "safetensors", *MEDIUM]  # fmt: skip
+        done = subprocess.run(cmd, cwd=project, env=env_for(project), capture_output=True, text=True)
+        if done.returncode:
+            sys.exit(f"{op} failed:\n{done.stderr[-4000:]}")
+        added[op] = max(json.loads((tmp / f"{op}_rank{r}.json").read_text()) for r in range(2))
+    load_new, load_old, export_new, export_old = (added[k] for k in ("load_sharded", "load_rank0", "export_sharded",
+                                                                      "export_rank0"))  # fmt: skip
+    return load_new / load_old, export_new / export_old, load_new, load_old, export_new, export_old
+
+
 def smoke_seconds(project: Path) -> float:
     started = time.perf_counter()
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_smoke.py"]
@@ -135,6 +212,7 @@ def main() -> None:
         state = state_bytes_ratio(project, tmp / "probe")
         sync = checkpoint_blocked_seconds(project, tmp / "sync", "dcp")
         async_ = checkpoint_blocked_seconds(project, tmp / "async", "dcp_async")
+        load_ratio, export_ratio, *memory = weights_memory_ratios(project, tmp)
         smoke = smoke_seconds(project)
     rows = [
         ("trainer step time at world size 1 / plain PyTorch loop", f"{trainer / plain:.3f}",
@@ -142,6 +220,10 @@ def main() -> None:
         ("model-state bytes per rank at world size 2 / ideal 16P/N", f"{state:.3f}", "", "<= 1.02"),
         ("loop blocked by an async save / by a sync save", f"{async_ / sync:.3f}",
          f"{async_ * 1e3:.0f} ms / {sync * 1e3:.0f} ms", "< 1"),
+        ("host memory a rank adds loading pretrained weights, world size 2: sharded reader / rank-0 copy",
+         f"{load_ratio:.3f}", f"{memory[0] / 2**20:.0f} MiB / {memory[1] / 2**20:.0f} MiB", "< 1"),
+        ("host memory a rank adds exporting the weights, world size 2: sharded writer / rank-0 copy",
+         f"{export_ratio:.3f}", f"{memory[2] / 2**20:.0f} MiB / {memory[3] / 2**20:.0f} MiB", "< 1"),
         ("render the default project", f"{render_s:.1f} s", "", ""),
         ("generated smoke test (tests/test_smoke.py)", f"{smoke:.0f} s", "", "about a minute"),
     ]  # fmt: skip

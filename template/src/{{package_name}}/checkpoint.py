@@ -30,7 +30,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
@@ -345,39 +344,6 @@ class CheckpointManager:
         self.wait()
         if self.async_group is not None:
             dist.destroy_process_group(self.async_group)
-
-
-def to_torch_save(checkpoint: Path, out: Path) -> Path:
-    """The whole checkpoint (model, optimizer, schedule, step, data position, RNG) as one torch.save file.
-
-    The conversion `torch.distributed.checkpoint.format_utils.dcp_to_torch_save` does, for any
-    model (no model class is needed), except that non-tensor entries are read weights_only like
-    every load here; the format_utils converter unpickles them in full. In one process, no GPU.
-    Read the file back with `torch.load(path, weights_only=True)`.
-    """
-    metadata = dcp.FileSystemReader(checkpoint).read_metadata()
-    state: dict = {}
-    for key, item in metadata.state_dict_metadata.items():
-        empty = torch.empty(item.size, dtype=item.properties.dtype) if isinstance(item, TensorStorageMetadata) else None
-        _set_path(state, metadata.planner_data[key], empty)
-    dcp.load(state, checkpoint_id=checkpoint, planner=WeightsOnlyLoadPlanner(), no_dist=True)  # fills it in place
-    out.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(state, out)
-    return out
-
-
-def _set_path(root: dict, path: tuple, value) -> None:
-    """root[path[0]][path[1]]... = value, creating dicts (or lists, for integer steps) on the way."""
-    node = root
-    for step, following in zip(path[:-1], path[1:], strict=True):
-        if isinstance(node, list):
-            node.extend([None] * (step + 1 - len(node)))
-        if (node[step] if isinstance(node, list) else node.get(step)) is None:
-            node[step] = [] if isinstance(following, int) else {}
-        node = node[step]
-    if isinstance(node, list):
-        node.extend([None] * (path[-1] + 1 - len(node)))
-    node[path[-1]] = value
 
 
 def check_resume(cfg: CheckpointConfig) -> None:

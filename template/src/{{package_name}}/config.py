@@ -51,8 +51,8 @@ Precision = Literal["bf16", "fp16", "fp32"]
 
 @dataclass
 class ModelConfig:
-    name: Literal["llama", "hf_causal_lm", "vit", "custom"] = "llama"
-    """Model family; models/__init__.py maps it to a class."""
+    name: str = "llama"
+    """Model family; models/__init__.py maps it to the module that defines it."""
     preset: str = "debug"
     """Name of the size preset these shapes came from (informational)."""
     vocab_size: int = DEBUG["vocab_size"]
@@ -169,8 +169,10 @@ class CheckpointConfig:
     """auto (newest complete checkpoint in the run dir), never, or a checkpoint directory."""
     export: Literal["none", "safetensors", "hf"] = "none"
     """At the end of the run write the weights to <run_dir>/export: safetensors, or a Hugging Face directory."""
+    export_file_gb: float = 5.0
+    """Largest export file in GB; a bigger model is split into model-0000x-of-0000y.safetensors with an index."""
     init_from: str = ""
-    """Start from these weights (a .safetensors file or a Hugging Face directory) instead of a random init."""
+    """Start from these weights (a directory of safetensors files, ours or Hugging Face's) instead of a random init."""
 
 
 @dataclass
@@ -251,19 +253,21 @@ class Config:
             if not ok:
                 errors.append(message)
 
-        require(m.dim % m.n_heads == 0, f"model.dim={m.dim} must be divisible by model.n_heads={m.n_heads}")
-        require(m.n_heads % m.n_kv_heads == 0, f"model.n_heads={m.n_heads} must be a multiple of n_kv_heads")
-        require(m.dim // m.n_heads % 2 == 0, "model.dim / model.n_heads must be even for rotary embeddings")
-        if m.name == "vit":
-            require(m.image_size % m.patch_size == 0, "model.patch_size must divide model.image_size")
-        else:
-            require(t.seq_len <= m.max_seq_len, f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+        from .models import model_spec  # the models import this module for their config types
+
         d = self.data
+        try:
+            spec = model_spec(m.name)
+        except ValueError as error:
+            errors.append(str(error))
+        else:
+            errors += spec.check(self)
+            images = d.source in ("synthetic_images", "image_folder")
+            require(
+                images == (spec.inputs == "images"),
+                f"data.source={d.source} does not feed model.name={m.name}, which takes {spec.inputs}",
+            )
         require(d.source not in ("memmap", "image_folder") or bool(d.path), f"data.source={d.source} needs data.path")
-        require(
-            (d.source in ("synthetic_images", "image_folder")) == (m.name == "vit"),
-            f"data.source={d.source} does not feed model.name={m.name} (images go with vit, tokens with the others)",
-        )
         require(
             d.shard_by != "rank" or d.source == "memmap",
             f"data.shard_by=rank needs data.source=memmap, not {d.source}",
@@ -306,6 +310,7 @@ class Config:
             "parallel.prefetch_blocks needs a sharded mode: no_shard (DDP) gathers no parameters",
         )
         require(c.interval > 0, f"checkpoint.interval={c.interval} must be positive")
+        require(c.export_file_gb > 0, f"checkpoint.export_file_gb={c.export_file_gb} must be positive")
         require(c.keep_last >= 1, f"checkpoint.keep_last={c.keep_last} must be at least 1")
         require(self.data.synthetic_branching >= 1, "data.synthetic_branching must be at least 1")
         require(self.metrics.log_every > 0, f"metrics.log_every={self.metrics.log_every} must be positive")

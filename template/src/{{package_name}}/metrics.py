@@ -11,10 +11,9 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from torch import nn
 from tqdm import tqdm
 
-from .config import Config, ModelConfig
+from .config import Config
 from .presets import PEAK_TFLOPS
 
 logger = logging.getLogger(__name__)
@@ -29,19 +28,6 @@ def init_logging(rank: int) -> None:
         stream=sys.stderr,
         force=True,
     )
-
-
-def flops_per_token(model: nn.Module, cfg: ModelConfig, seq_len: int) -> int:
-    """Training FLOPs per token, torchtitan's convention: 6 x matmul parameters + attention.
-
-    Embedding lookups are not matmuls (unless the weight doubles as the tied output head).
-    Attention adds 12 * layers * dim * seq_len (2 matmuls, x3 for forward and backward, x2 for
-    multiply-add), ignoring causal sparsity as is customary.
-    """
-    n_params = sum(p.numel() for p in model.parameters())
-    lookups = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Embedding))
-    n_matmul = n_params - (0 if cfg.tie_embeddings and cfg.name != "vit" else lookups)
-    return 6 * n_matmul + 12 * cfg.n_layers * cfg.dim * seq_len
 
 
 def peak_tflops(device: torch.device, configured: float) -> float | None:

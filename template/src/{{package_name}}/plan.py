@@ -51,7 +51,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import Config, ModelConfig, UsageError
+from .config import Config, UsageError
+from .models import ModelShape
 from .presets import GPU_ARCHS, HEADROOM, LINK_GBPS, PEAK_TFLOPS
 
 logger = logging.getLogger(__name__)
@@ -62,34 +63,6 @@ AC_MODES = ("none", "selective", "full")
 # Peak TFLOP/s by generation (its flagship device's), for the compute side of the communication
 # estimate; XPU and CPU plans assume an A100.
 ARCH_TFLOPS = {arch: PEAK_TFLOPS[spec["flagship"]] for arch, spec in GPU_ARCHS.items()}
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    P: int
-    Pb: int
-    Pn: int
-    L: int
-    h: int
-    kv: int
-    f: int
-    V: int
-    tokens: int = 0
-    """Tokens per sample through the blocks (0: train.seq_len)."""
-    logits: int = 0
-    """Positions per sample that produce logits (0: every token)."""
-
-    @classmethod
-    def of(cls, m: ModelConfig) -> ModelShape:
-        kv = m.n_kv_heads * (m.dim // m.n_heads)
-        block = 2 * m.dim * m.dim + 2 * m.dim * kv + 3 * m.dim * m.ffn_hidden_dim + 2 * m.dim
-        if m.name == "vit":  # patch embedding, class token, positions, final norm, classifier head
-            patches = (m.image_size // m.patch_size) ** 2
-            outside = m.channels * m.patch_size**2 * m.dim + (patches + 4) * m.dim + m.dim * m.num_classes
-            return cls(block * m.n_layers + outside, block, outside, m.n_layers, m.dim, kv, m.ffn_hidden_dim,
-                       m.num_classes, tokens=patches + 1, logits=1)  # fmt: skip
-        outside = m.vocab_size * m.dim * (1 if m.tie_embeddings else 2) + m.dim
-        return cls(block * m.n_layers + outside, block, outside, m.n_layers, m.dim, kv, m.ffn_hidden_dim, m.vocab_size)
 
 
 @dataclass(frozen=True)

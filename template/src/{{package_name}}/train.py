@@ -46,8 +46,8 @@ from .distributed import (
     resolve_device,
     set_collective_timeout,
 )
-from .metrics import MetricsLogger, flops_per_token, init_logging, peak_tflops
-from .models import build_model
+from .metrics import MetricsLogger, init_logging, peak_tflops
+from .models import ModelShape, build_model, model_spec
 from .parallelize import (
     DTYPES,
     apply_ac,
@@ -57,10 +57,11 @@ from .parallelize import (
     check_float8,
     gradient_sync,
     init_weights_from_rank0,
+    unwrap,
     wrap_ddp,
 )
-from .plan import ModelShape, check_plan
-from .weights import export_weights, initial_state
+from .plan import check_plan
+from .weights import check_init_from, export_weights, initial_state, load_pretrained
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +78,7 @@ def init_distributed(cfg: Config) -> DistEnv:
     check_plan(cfg, rdzv.world_size, device)
     check_data(cfg, rdzv.rank, rdzv.world_size)
     check_resume(cfg.checkpoint)
+    check_init_from(cfg)
     check_float8(cfg.parallel.float8, device)
     if device.type != "cpu":
         torch.accelerator.set_device_index(device.index)
@@ -104,7 +106,9 @@ def build_model_meta(cfg: Config, env: DistEnv, *, init_weights: bool) -> nn.Mod
     # Allocates only this rank's shards (on the host with CPU offload); the contents are garbage.
     model.to_empty(device=env.device)
     model.tie_weights()
-    if init_weights:  # a resumed run gets its weights from the checkpoint instead
+    if init_weights and cfg.checkpoint.init_from:  # a resumed run gets its weights from the checkpoint
+        load_pretrained(model, cfg)
+    elif init_weights:
         init_weights_from_rank0(model, lambda: initial_state(cfg))
     # Non-persistent buffers are neither broadcast nor checkpointed: every rank recomputes them.
     model.init_buffers()
@@ -253,7 +257,7 @@ def build_metrics(cfg: Config, env: DistEnv, model: nn.Module, start_step: int) 
         start_step=start_step,
         tokens_per_step=cfg.train.global_batch_size * tokens,
         world_size=env.world_size,
-        flops_per_token=flops_per_token(model, cfg.model, tokens),
+        flops_per_token=model_spec(cfg.model.name).flops_per_token(unwrap(model), cfg.model, tokens),
         peak_tflops=peak_tflops(env.device, cfg.metrics.peak_tflops),
         device=env.device,
         rank=env.rank,

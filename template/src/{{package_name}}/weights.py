@@ -1,131 +1,197 @@
-"""Full (unsharded) model weights: the initial ones, imported ones, and exported ones.
+"""Full model weights: the initial ones, pretrained ones read in, and exported ones.
 
-Exports are consolidated safetensors files: `safetensors` keeps this repo's parameter names,
-`hf` writes a Hugging Face Llama directory (config.json + model.safetensors) that
-`transformers.AutoModelForCausalLM.from_pretrained` loads. A distributed checkpoint converts
-offline, in one process, without a GPU:
-
-    python -m <package>.weights --config configs/debug.toml --checkpoint runs/debug/checkpoints/step_00000040 \
-        --to hf --out exported/
-
-`--to torch` writes the whole checkpoint, optimizer and all, for any model, as one torch.save file
-(`format_utils.dcp_to_torch_save`'s conversion, read weights-only): `exported/checkpoint.pt`.
-"""
+Pretrained weights (`checkpoint.init_from`: a directory of safetensors files, this repo's names
+or a Hugging Face model's) and exports are read and written through DCP's Hugging Face storage:
+each rank reads or writes only the slices it holds, so no rank ever holds the whole model. An
+export is `model.safetensors`, or `model-0000x-of-0000y.safetensors` with an index once the model
+passes checkpoint.export_file_gb (5 GB, as transformers' save_pretrained). `safetensors` keeps
+this repo's parameter names; `hf` writes a Hugging Face directory (with config.json) that
+`transformers.AutoModelForCausalLM.from_pretrained` loads, for models whose spec has a Hugging
+Face layout (models/spec.py). Nothing here knows a model by name: names, tied weights and
+config.json come from the model and its spec. Converting a distributed checkpoint offline:
+convert.py."""
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
-import re
+import shutil
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from safetensors.torch import load_file, save_file
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-from .checkpoint import CHECKPOINT_KEY, WeightsOnlyLoadPlanner, to_torch_save
-from .config import Config, ModelConfig, load_config
-from .models import build_model
+from .checkpoint import plain_tensors
+from .config import Config, ModelConfig, UsageError
+from .models import build_model, model_spec
 
 logger = logging.getLogger(__name__)
-
-# This repo's parameter names beside Hugging Face LlamaForCausalLM's ({i}: a layer, {x}: q, k, v
-# or o). Both use the rotate-half rotary layout, so weights need renaming only, never permuting.
-_HF_NAMES = [
-    ("tok_embeddings.weight", "model.embed_tokens.weight"),
-    ("layers.{i}.attention.w{x}.weight", "model.layers.{i}.self_attn.{x}_proj.weight"),
-    ("layers.{i}.feed_forward.w1.weight", "model.layers.{i}.mlp.gate_proj.weight"),
-    ("layers.{i}.feed_forward.w3.weight", "model.layers.{i}.mlp.up_proj.weight"),
-    ("layers.{i}.feed_forward.w2.weight", "model.layers.{i}.mlp.down_proj.weight"),
-    ("layers.{i}.attention_norm.weight", "model.layers.{i}.input_layernorm.weight"),
-    ("layers.{i}.ffn_norm.weight", "model.layers.{i}.post_attention_layernorm.weight"),
-    ("norm.weight", "model.norm.weight"),
-    ("output.weight", "lm_head.weight"),
-]
-_FIELDS = {r"\{i\}": r"(?P<i>\d+)", r"\{x\}": r"(?P<x>[qkvo])"}
+INDEX = "model.safetensors.index.json"
 
 
-def _rename(name: str, *, to_hf: bool) -> str:
-    for ours, theirs in _HF_NAMES:
-        source, target = (ours, theirs) if to_hf else (theirs, ours)
-        pattern = re.escape(source)
-        for field, group in _FIELDS.items():
-            pattern = pattern.replace(field, group)
-        if match := re.fullmatch(pattern, name):
-            return target.format(**match.groupdict())
-    raise ValueError(f"no Hugging Face name for parameter {name!r}")
+def shared_keys(model: torch.nn.Module) -> dict[str, str]:
+    """Parameter names that alias an earlier one (a tied output head -> its embedding)."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            aliases[name] = first[id(param)]
+        else:
+            first[id(param)] = name
+    return aliases
 
 
-def hf_config(cfg: ModelConfig) -> dict:
-    """config.json for transformers' LlamaForCausalLM with this model's shapes."""
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.dim,
-        "intermediate_size": cfg.ffn_hidden_dim,
-        "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_kv_heads,
-        "head_dim": cfg.dim // cfg.n_heads,
-        "hidden_act": "silu",
-        "max_position_embeddings": cfg.max_seq_len,
-        "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "tie_word_embeddings": cfg.tie_embeddings,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "torch_dtype": "float32",
-    }
+def stored_names(cfg: ModelConfig, fmt: str) -> dict[str, str]:
+    """This repo's parameter name -> its name in `fmt` files (safetensors or hf); tied aliases left out."""
+    model, rename = build_model_on_meta(cfg), _renamer(cfg, fmt)
+    aliases = shared_keys(model)
+    return {k: rename(k) for k in model.state_dict() if k not in aliases}
 
 
-def _tied_key(cfg: ModelConfig) -> str | None:
-    """The state-dict key of a tied output head (stored once, restored on load), if any."""
-    if not cfg.tie_embeddings or cfg.name == "vit":
-        return None
-    return "hf.lm_head.weight" if cfg.name == "hf_causal_lm" else "output.weight" if cfg.name == "llama" else None
+def _renamer(cfg: ModelConfig, fmt: str):
+    spec = model_spec(cfg.name)
+    if fmt != "hf":
+        return str
+    if spec.hf is None:
+        raise ValueError(f"model.name={cfg.name} has no Hugging Face layout: use safetensors")
+    return spec.hf.to_hf
+
+
+def stored_shapes(directory: Path) -> dict[str, list[int]]:
+    """Shape of every tensor in a directory of safetensors files, read from the file headers only."""
+    shapes = {}
+    for file in directory.glob("*.safetensors"):
+        with safe_open(file, "pt") as f:
+            shapes.update({k: f.get_slice(k).get_shape() for k in f.keys()})
+    return shapes
+
+
+def weights_dir(path: Path) -> Path:
+    """The directory DCP's Hugging Face reader reads: `path`, or the directory of a lone .safetensors file."""
+    if path.is_file():
+        others = sorted(p.name for p in path.parent.glob("*.safetensors") if p != path)
+        if others:
+            raise ValueError(f"{path} shares its directory with {others[:3]}: name the directory instead")
+        return path.parent
+    if not path.is_dir() or not any(path.glob("*.safetensors")):
+        raise ValueError(f"{path}: no .safetensors files there")
+    return path
+
+
+def match_names(cfg: ModelConfig, directory: Path) -> dict[str, str]:
+    """How the files in `directory` name this model's parameters; ValueError naming the misfit if they do not."""
+    model = build_model_on_meta(cfg)
+    stored, aliases, expected = stored_shapes(directory), shared_keys(model), model.state_dict()
+    misfits = []
+    for fmt in ("safetensors", "hf") if model_spec(cfg.name).hf else ("safetensors",):
+        names, rename = stored_names(cfg, fmt), _renamer(cfg, fmt)
+        # A tied head may be stored besides its embedding; it is then ignored.
+        missing = set(names.values()) - set(stored)
+        extra = set(stored) - set(names.values()) - {rename(a) for a in aliases}
+        if not missing and not extra:
+            break
+        misfits.append((len(missing) + len(extra), sorted(missing)[:5], sorted(extra)[:5]))
+    else:
+        _, missing, extra = min(misfits)
+        raise ValueError(f"{directory} does not fit model {cfg.preset}: missing {missing}, unexpected {extra}")
+    shapes = [f"{name} is {stored[name]} there, {list(expected[k].shape)} here" for k, name in names.items()
+              if stored[name] != list(expected[k].shape)]  # fmt: skip
+    if shapes:
+        raise ValueError(
+            f"{directory} does not fit model {cfg.preset} (check the model.* sizes): {'; '.join(shapes[:3])}"
+        )
+    return names
+
+
+def check_init_from(cfg: Config) -> None:
+    """Refuse checkpoint.init_from weights that do not fit the model (before the process group starts)."""
+    if cfg.checkpoint.init_from:
+        try:
+            match_names(cfg.model, weights_dir(Path(cfg.checkpoint.init_from)))
+        except ValueError as error:
+            raise UsageError(f"checkpoint.init_from={cfg.checkpoint.init_from}: {error}") from None
+
+
+def load_pretrained(model: torch.nn.Module, cfg: Config) -> None:
+    """Read checkpoint.init_from into the (sharded) model: every rank reads only the slices it holds."""
+    directory = weights_dir(Path(cfg.checkpoint.init_from))
+    names = match_names(cfg.model, directory)
+    state = plain_tensors(get_model_state_dict(model))
+    stored = {names[k]: state[k] for k in names}
+    dcp.load(stored, storage_reader=HuggingFaceStorageReader(str(directory)))
+    # DCP filled the shards in place; setting them again also re-ties what it left out (tied heads).
+    set_model_state_dict(model, {k: stored[v] for k, v in names.items()}, options=StateDictOptions(strict=False))
+    logger.info("loaded %s weights from %s", len(names), directory)
+
+
+def file_index(state: dict[str, torch.Tensor], max_bytes: float) -> dict[str, int]:
+    """Export file (1, 2, ...) of each tensor: in order, a new file whenever one would pass max_bytes."""
+    index, file, size = {}, 1, 0
+    for key, tensor in state.items():
+        nbytes = tensor.numel() * tensor.element_size()  # of the whole tensor, not this rank's shard
+        if size and size + nbytes > max_bytes:
+            file, size = file + 1, 0
+        index[key], size = file, size + nbytes
+    return index
+
+
+def export_weights(model: torch.nn.Module, cfg: Config, out: Path, is_main: bool) -> None:
+    """Write the full weights to `out` (a collective: every rank calls this, and writes only its shards).
+
+    DCP's Hugging Face writer has each rank write its shards under out/sharded, then rank 0 joins
+    them tensor by tensor into the final files; a model in one file is named model.safetensors.
+    """
+    fmt = cfg.checkpoint.export
+    names = stored_names(cfg.model, fmt)
+    state = plain_tensors(get_model_state_dict(model))
+    stored = {names[k]: state[k] for k in names}
+    if is_main and out.exists():
+        shutil.rmtree(out)  # a previous export of this run dir (an extended run): replaced whole
+    dist.barrier()
+    writer = HuggingFaceStorageWriter(
+        str(out),
+        fqn_to_index_mapping=file_index(stored, cfg.checkpoint.export_file_gb * 1e9),
+        save_distributed=True,
+        enable_consolidation=True,
+    )
+    dcp.save(stored, storage_writer=writer)
+    if is_main:
+        shutil.rmtree(out / "sharded")
+        files = sorted(out.glob("*.safetensors"))
+        if len(files) == 1:  # one file: the plain name, no index (as save_pretrained does)
+            files[0].rename(out / "model.safetensors")
+            (out / INDEX).unlink()
+        if fmt == "hf":
+            (out / "config.json").write_text(model_spec(cfg.model.name).hf.config_json(cfg.model))
+        logger.info("exported %s weights to %s (%d file(s))", fmt, out, len(files))
 
 
 def save(state: dict[str, torch.Tensor], cfg: ModelConfig, out: Path, fmt: str) -> Path:
-    """Write `state` (this repo's names) as `fmt` (safetensors or hf) into directory `out`."""
+    """Write a full state dict (this repo's names) as `fmt` (safetensors or hf) into `out`, in one process."""
+    names = stored_names(cfg, fmt)  # a tied weight is stored once (safetensors refuses shared tensors)
     out.mkdir(parents=True, exist_ok=True)
-    # A tied output head is the embedding: store it once (safetensors refuses shared tensors).
-    tied = _tied_key(cfg)
-    tensors = {k: v.detach().cpu().contiguous() for k, v in state.items() if k != tied}
+    tensors = {names[k]: state[k].detach().cpu().contiguous() for k in names}
     if fmt == "hf":
-        if cfg.name == "llama":
-            tensors = {_rename(k, to_hf=True): v for k, v in tensors.items()}
-            (out / "config.json").write_text(json.dumps(hf_config(cfg), indent=2))
-        elif cfg.name == "hf_causal_lm":
-            tensors = {k.removeprefix("hf."): v for k, v in tensors.items()}
-            (out / "config.json").write_text(build_model_on_meta(cfg).hf.config.to_json_string())
-        else:
-            raise ValueError(f"checkpoint.export=hf needs model.name llama or hf_causal_lm, not {cfg.name}")
+        (out / "config.json").write_text(model_spec(cfg.name).hf.config_json(cfg))
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt", "layout": fmt})
     return out / "model.safetensors"
 
 
 def load(path: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """A full state dict (this repo's names) from a safetensors file or a Hugging Face directory."""
-    path = Path(path)
-    file = path / "model.safetensors" if path.is_dir() else path
-    if not file.is_file():
-        raise ValueError(f"checkpoint.init_from={path}: no model.safetensors there")
-    tensors = load_file(file)  # safetensors holds tensors only: nothing in it can run code
-    if cfg.name == "hf_causal_lm" and not any(k.startswith("hf.") for k in tensors):
-        tensors = {f"hf.{k}": v for k, v in tensors.items()}
-    elif cfg.name == "llama" and any(k.startswith("model.") for k in tensors):
-        tensors = {_rename(k, to_hf=False): v for k, v in tensors.items()}
-    tied = _tied_key(cfg)
-    if tied:
-        embed = "hf.model.embed_tokens.weight" if cfg.name == "hf_causal_lm" else "tok_embeddings.weight"
-        tensors[tied] = tensors[embed]
-    expected = set(build_model_on_meta(cfg).state_dict())
-    if set(tensors) != expected:
-        missing, extra = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
-        raise ValueError(f"{file} does not fit model {cfg.preset}: missing {missing[:5]}, unexpected {extra[:5]}")
+    """A full state dict (this repo's names) from safetensors files, in one process (tests, tools)."""
+    directory = weights_dir(Path(path))
+    names = match_names(cfg, directory)
+    files = {}
+    for file in directory.glob("*.safetensors"):
+        with safe_open(file, "pt") as f:
+            files.update({k: f.get_tensor(k) for k in f.keys()})
+    tensors = {k: files[v] for k, v in names.items()}
+    for alias, source in shared_keys(build_model_on_meta(cfg)).items():
+        tensors[alias] = tensors[source]
     return tensors
 
 
@@ -135,46 +201,8 @@ def build_model_on_meta(cfg: ModelConfig) -> torch.nn.Module:
 
 
 def initial_state(cfg: Config) -> dict[str, torch.Tensor]:
-    """Rank 0's full initial weights: imported from checkpoint.init_from, else a seeded random init."""
-    if cfg.checkpoint.init_from:
-        return load(Path(cfg.checkpoint.init_from), cfg.model)
+    """Rank 0's full initial weights: a seeded random init, the same at any world size."""
     with torch.device("cpu"):
         reference = build_model(cfg.model)
     reference.init_weights(torch.Generator().manual_seed(cfg.train.seed))
     return reference.state_dict()
-
-
-def export_weights(model: torch.nn.Module, cfg: Config, out: Path, is_main: bool) -> None:
-    """Gather the full weights (a collective: every rank calls this) and write them on rank 0."""
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # full copy on rank 0's host only
-    state = get_model_state_dict(model, options=options)
-    if is_main:
-        written = save(state, cfg.model, out, cfg.checkpoint.export)
-        logger.info("exported %s weights to %s", cfg.checkpoint.export, written)
-
-
-def load_checkpoint(path: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """The model weights of a distributed checkpoint, resharded into one process (no process group)."""
-    with torch.device("cpu"):
-        model = build_model(cfg)
-    state = {CHECKPOINT_KEY: {"model": model.state_dict()}}
-    dcp.load(state, checkpoint_id=path, planner=WeightsOnlyLoadPlanner(), no_dist=True)
-    return state[CHECKPOINT_KEY]["model"]
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Export a distributed checkpoint's weights.", add_help=False)
-    parser.add_argument("--checkpoint", type=Path, required=True, help="a checkpoint directory (step_XXXXXXXX)")
-    parser.add_argument("--to", choices=["safetensors", "hf", "torch"], default="hf")
-    parser.add_argument("--out", type=Path, required=True)
-    args, rest = parser.parse_known_args(argv)
-    if args.to == "torch":
-        written = to_torch_save(args.checkpoint, args.out / "checkpoint.pt")
-    else:
-        cfg = load_config(rest)
-        written = save(load_checkpoint(args.checkpoint, cfg.model), cfg.model, args.out, args.to)
-    print(f"wrote {written}")
-
-
-if __name__ == "__main__":
-    main()

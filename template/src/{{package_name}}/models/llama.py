@@ -10,6 +10,7 @@ weights need renaming only, no permutation.
 
 from __future__ import annotations
 
+import json
 import math
 
 import torch
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+from .spec import HFLayout, ModelSpec, RenameTable, decoder_errors, decoder_shape
 
 
 def rope_cache(head_dim: int, max_seq_len: int, theta: float, device=None) -> torch.Tensor:
@@ -141,3 +143,57 @@ class Llama(nn.Module):
         """Recompute non-persistent buffers in place, on whatever device they now live on."""
         cfg = self.cfg
         self.rope.copy_(rope_cache(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta, device=self.rope.device))
+
+
+# This repo's parameter names beside Hugging Face LlamaForCausalLM's ({i}: a layer, {x}: q, k, v
+# or o). Both use the rotate-half rotary layout, so weights need renaming only, never permuting.
+HF_NAMES = RenameTable(
+    rows=(
+        ("tok_embeddings.weight", "model.embed_tokens.weight"),
+        ("layers.{i}.attention.w{x}.weight", "model.layers.{i}.self_attn.{x}_proj.weight"),
+        ("layers.{i}.feed_forward.w1.weight", "model.layers.{i}.mlp.gate_proj.weight"),
+        ("layers.{i}.feed_forward.w3.weight", "model.layers.{i}.mlp.up_proj.weight"),
+        ("layers.{i}.feed_forward.w2.weight", "model.layers.{i}.mlp.down_proj.weight"),
+        ("layers.{i}.attention_norm.weight", "model.layers.{i}.input_layernorm.weight"),
+        ("layers.{i}.ffn_norm.weight", "model.layers.{i}.post_attention_layernorm.weight"),
+        ("norm.weight", "model.norm.weight"),
+        ("output.weight", "lm_head.weight"),
+    ),
+    fields=(("i", r"\d+"), ("x", "[qkvo]")),
+)
+
+
+def hf_config_json(cfg: ModelConfig) -> str:
+    """config.json for transformers' LlamaForCausalLM with this model's shapes."""
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.dim,
+        "intermediate_size": cfg.ffn_hidden_dim,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.dim // cfg.n_heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_seq_len,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": "float32",
+    }
+    return json.dumps(config, indent=2)
+
+
+SPEC = ModelSpec(
+    build=Llama,
+    shape=decoder_shape,
+    check=decoder_errors,
+    hf=HFLayout(
+        to_hf=lambda name: HF_NAMES.rename(name, to_hf=True),
+        from_hf=lambda name: HF_NAMES.rename(name, to_hf=False),
+        config_json=hf_config_json,
+    ),
+)

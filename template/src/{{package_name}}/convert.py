@@ -1,0 +1,84 @@
+"""Offline converters: a distributed checkpoint into one file, in one process, without a GPU.
+
+    python -m <package>.convert --config configs/debug.toml \
+        --checkpoint runs/debug/checkpoints/step_00000040 --to hf --out exported/
+
+`--to safetensors` and `--to hf` write the model weights as weights.py exports them (this repo's
+names, or a Hugging Face directory for models with a Hugging Face layout). `--to torch` writes
+the whole checkpoint, optimizer and all, for any model, as one torch.save file
+(`format_utils.dcp_to_torch_save`'s conversion, read weights-only): `exported/checkpoint.pt`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from .checkpoint import CHECKPOINT_KEY, WeightsOnlyLoadPlanner
+from .config import ModelConfig, load_config
+from .models import build_model
+from .weights import save
+
+
+def load_checkpoint(path: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """The model weights of a distributed checkpoint, resharded into one process (no process group)."""
+    with torch.device("cpu"):
+        model = build_model(cfg)
+    state = {CHECKPOINT_KEY: {"model": model.state_dict()}}
+    dcp.load(state, checkpoint_id=path, planner=WeightsOnlyLoadPlanner(), no_dist=True)
+    return state[CHECKPOINT_KEY]["model"]
+
+
+def to_torch_save(checkpoint: Path, out: Path) -> Path:
+    """The whole checkpoint (model, optimizer, schedule, step, data position, RNG) as one torch.save file.
+
+    The conversion `torch.distributed.checkpoint.format_utils.dcp_to_torch_save` does, for any
+    model (no model class is needed), except that non-tensor entries are read weights_only like
+    every load here; the format_utils converter unpickles them in full. In one process, no GPU.
+    Read the file back with `torch.load(path, weights_only=True)`.
+    """
+    metadata = dcp.FileSystemReader(checkpoint).read_metadata()
+    state: dict = {}
+    for key, item in metadata.state_dict_metadata.items():
+        empty = torch.empty(item.size, dtype=item.properties.dtype) if isinstance(item, TensorStorageMetadata) else None
+        _set_path(state, metadata.planner_data[key], empty)
+    dcp.load(state, checkpoint_id=checkpoint, planner=WeightsOnlyLoadPlanner(), no_dist=True)  # fills it in place
+    out.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(state, out)
+    return out
+
+
+def _set_path(root: dict, path: tuple, value) -> None:
+    """root[path[0]][path[1]]... = value, creating dicts (or lists, for integer steps) on the way."""
+    node = root
+    for step, following in zip(path[:-1], path[1:], strict=True):
+        if isinstance(node, list):
+            node.extend([None] * (step + 1 - len(node)))
+        if (node[step] if isinstance(node, list) else node.get(step)) is None:
+            node[step] = [] if isinstance(following, int) else {}
+        node = node[step]
+    if isinstance(node, list):
+        node.extend([None] * (path[-1] + 1 - len(node)))
+    node[path[-1]] = value
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Convert a distributed checkpoint into one file.", add_help=False)
+    parser.add_argument("--checkpoint", type=Path, required=True, help="a checkpoint directory (step_XXXXXXXX)")
+    parser.add_argument("--to", choices=["safetensors", "hf", "torch"], default="hf")
+    parser.add_argument("--out", type=Path, required=True)
+    args, rest = parser.parse_known_args(argv)
+    if args.to == "torch":
+        written = to_torch_save(args.checkpoint, args.out / "checkpoint.pt")
+    else:
+        cfg = load_config(rest)
+        written = save(load_checkpoint(args.checkpoint, cfg.model), cfg.model, args.out, args.to)
+    print(f"wrote {written}")
+
+
+if __name__ == "__main__":
+    main()

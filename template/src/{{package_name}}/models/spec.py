@@ -1,0 +1,159 @@
+"""The model contract: what a model module declares so the rest of the repo needs no per-model code.
+
+Each model module defines `SPEC = ModelSpec(...)`; models/__init__.py maps `model.name` to the
+module. From the spec, plan.py sizes memory (`shape`), metrics.py counts FLOPs (`flops_per_token`),
+config.py checks the model's own fields (`check`), data.py feeds `inputs`, and weights.py maps the
+weights to and from Hugging Face (`hf`). The nn.Module it builds meets the module contract in
+models/__init__.py. Plain Python and torch: nothing here imports torch.distributed.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+from torch import nn
+
+if TYPE_CHECKING:
+    from ..config import Config, ModelConfig
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the memory and communication planner needs to know about a model (plan.py's formulas)."""
+
+    P: int
+    """Parameters in all."""
+    Pb: int
+    """Parameters per block (one FSDP unit)."""
+    Pn: int
+    """Parameters outside the blocks (embeddings, final norm, head)."""
+    L: int
+    """Blocks."""
+    h: int
+    """Hidden size."""
+    kv: int
+    """Key/value width (heads x head size)."""
+    f: int
+    """Feed-forward hidden size."""
+    V: int
+    """Output classes: the vocabulary of a language model."""
+    tokens: int = 0
+    """Tokens per sample through the blocks (0: train.seq_len)."""
+    logits: int = 0
+    """Positions per sample that produce logits (0: every token)."""
+
+    @classmethod
+    def of(cls, cfg: ModelConfig) -> ModelShape:
+        """The shape of the model `cfg.name` names, from its spec."""
+        from . import model_spec  # the registry imports this module
+
+        return model_spec(cfg.name).shape(cfg)
+
+
+def block_shape(m: ModelConfig, outside: int, classes: int, **per_sample: int) -> ModelShape:
+    """Llama blocks (attention, SwiGLU, two RMSNorms, no biases) plus `outside` parameters around them."""
+    kv = m.n_kv_heads * (m.dim // m.n_heads)
+    block = 2 * m.dim * m.dim + 2 * m.dim * kv + 3 * m.dim * m.ffn_hidden_dim + 2 * m.dim
+    P = block * m.n_layers + outside
+    return ModelShape(P, block, outside, m.n_layers, m.dim, kv, m.ffn_hidden_dim, classes, **per_sample)
+
+
+def decoder_shape(m: ModelConfig) -> ModelShape:
+    """A Llama-style decoder: the blocks, and outside them the embedding, final norm and (untied) head."""
+    return block_shape(m, m.vocab_size * m.dim * (1 if m.tie_embeddings else 2) + m.dim, m.vocab_size)
+
+
+def transformer_flops(model: nn.Module, cfg: ModelConfig, seq_len: int) -> int:
+    """Training FLOPs per token, torchtitan's convention: 6 x matmul parameters + attention.
+
+    Embedding lookups are not matmuls (unless the weight doubles as the tied output head).
+    Attention adds 12 * layers * dim * seq_len (2 matmuls, x3 for forward and backward, x2 for
+    multiply-add), ignoring causal sparsity as is customary.
+    """
+    head = model.get_output_embeddings()
+    lookups = sum(
+        m.weight.numel()
+        for m in model.modules()
+        if isinstance(m, nn.Embedding) and (head is None or m.weight is not head.weight)
+    )
+    n_params = sum(p.numel() for p in model.parameters())
+    return 6 * (n_params - lookups) + 12 * cfg.n_layers * cfg.dim * seq_len
+
+
+def attention_errors(m: ModelConfig) -> list[str]:
+    """Head counts that multi-head and grouped-query attention can split."""
+    errors = []
+    if m.dim % m.n_heads:
+        errors.append(f"model.dim={m.dim} must be divisible by model.n_heads={m.n_heads}")
+    if m.n_heads % m.n_kv_heads:
+        errors.append(f"model.n_heads={m.n_heads} must be a multiple of n_kv_heads")
+    return errors
+
+
+def decoder_errors(cfg: Config) -> list[str]:
+    """A rotary decoder: attention heads, an even head size, and sequences the rotary table covers."""
+    m, errors = cfg.model, attention_errors(cfg.model)
+    if m.dim // m.n_heads % 2:
+        errors.append("model.dim / model.n_heads must be even for rotary embeddings")
+    if cfg.train.seq_len > m.max_seq_len:
+        errors.append(f"train.seq_len={cfg.train.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+    return errors
+
+
+@dataclass(frozen=True)
+class RenameTable:
+    """Parameter names of this repo beside a Hugging Face layout's, one pattern pair per row.
+
+    Patterns hold `{field}` placeholders; `fields` gives the regular expression each stands for,
+    e.g. `("layers.{i}.attention.w{x}.weight", "model.layers.{i}.self_attn.{x}_proj.weight")`.
+    """
+
+    rows: tuple[tuple[str, str], ...]
+    fields: tuple[tuple[str, str], ...] = (("i", r"\d+"),)
+
+    def rename(self, name: str, *, to_hf: bool) -> str:
+        for ours, theirs in self.rows:
+            source, target = (ours, theirs) if to_hf else (theirs, ours)
+            pattern = re.escape(source)
+            for field, regex in self.fields:
+                pattern = pattern.replace(re.escape(f"{{{field}}}"), f"(?P<{field}>{regex})")
+            if match := re.fullmatch(pattern, name):
+                return target.format(**match.groupdict())
+        raise ValueError(f"no {'Hugging Face' if to_hf else 'repo'} name for parameter {name!r}")
+
+
+@dataclass(frozen=True)
+class HFLayout:
+    """How a model's weights map onto a Hugging Face transformers checkpoint (checkpoint.export=hf)."""
+
+    to_hf: Callable[[str], str]
+    """This repo's parameter name -> the transformers name."""
+    from_hf: Callable[[str], str]
+    """The transformers name -> this repo's parameter name."""
+    config_json: Callable[[ModelConfig], str]
+    """The config.json that makes `AutoModelForCausalLM.from_pretrained` build this model."""
+
+
+def no_errors(cfg: Config) -> list[str]:
+    return []
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Everything outside models/ needs to know about one model family."""
+
+    build: Callable[[ModelConfig], nn.Module]
+    """A new, uninitialised model (called under torch.device("meta") to allocate nothing)."""
+    shape: Callable[[ModelConfig], ModelShape]
+    """Sizes for the memory planner."""
+    inputs: Literal["tokens", "images"] = "tokens"
+    """What a batch holds: token ids (targets: the next tokens) or images (targets: class ids)."""
+    check: Callable[[Config], list[str]] = no_errors
+    """Every reason this config cannot build or feed the model (empty when it can)."""
+    flops_per_token: Callable[[nn.Module, ModelConfig, int], int] = transformer_flops
+    """Training FLOPs per token for the MFU figure (model, config, tokens per sample)."""
+    hf: HFLayout | None = None
+    """The Hugging Face weight layout, for models transformers can load (None: export=hf refused)."""

@@ -1,0 +1,81 @@
+"""A model this repo has never seen, for tests/test_model_contract.py: a token MLP.
+
+The test copies it into src/<package>/models/toy.py (hence the relative imports) and adds one
+line to the registry. It differs from the Llama blocks on purpose: no attention, LayerNorm with
+biases, an untied head, so nothing can work by accident through Llama-specific code.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from .spec import ModelShape, ModelSpec
+
+
+class ToyBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.norm = nn.LayerNorm(cfg.dim)
+        self.up = nn.Linear(cfg.dim, cfg.ffn_hidden_dim)
+        self.down = nn.Linear(cfg.ffn_hidden_dim, cfg.dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+class Toy(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(ToyBlock(cfg) for _ in range(cfg.n_layers))
+        self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h)
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.embed
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.head
+
+    def tie_weights(self) -> None:
+        """Nothing is tied."""
+
+    @torch.no_grad()
+    def init_weights(self, generator: torch.Generator | None = None) -> None:
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=0.02, generator=generator)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.LayerNorm):
+                module.reset_parameters()
+
+    def init_buffers(self) -> None:
+        """No buffers."""
+
+
+def toy_shape(m: ModelConfig) -> ModelShape:
+    block = 2 * m.dim * m.ffn_hidden_dim + m.ffn_hidden_dim + 3 * m.dim  # up, down (+ biases), LayerNorm
+    outside = 2 * m.vocab_size * m.dim  # embedding and head
+    P = block * m.n_layers + outside
+    return ModelShape(P, block, outside, m.n_layers, m.dim, kv=0, f=m.ffn_hidden_dim, V=m.vocab_size)
+
+
+def toy_flops(model: nn.Module, cfg: ModelConfig, seq_len: int) -> int:
+    """No attention: 6 x the parameters of the matmuls (everything but the lookup table and norms)."""
+    return 6 * sum(p.numel() for name, p in model.named_parameters() if "norm" not in name and "embed" not in name)
+
+
+def toy_errors(cfg) -> list[str]:
+    return [] if cfg.model.ffn_hidden_dim > 0 else ["model.ffn_hidden_dim must be positive for the toy model"]
+
+
+SPEC = ModelSpec(build=Toy, shape=toy_shape, check=toy_errors, flops_per_token=toy_flops)
