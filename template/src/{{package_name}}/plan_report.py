@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import asdict
 from pathlib import Path
 
 from . import plan
-from .config import Config, load_config
+from .config import EXIT_USAGE, Config, load_config
 from .plan import (
     GIB,
     HEADROOM,
@@ -95,7 +96,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.detect or args.detected:
         from .plan_resize import detect_main  # which prints format_table too
 
-        print(detect_main(rest, args.detected))
+        try:
+            print(detect_main(rest, args.detected))
+        except ValueError as error:  # a missing file or config: say which, without a traceback
+            print(f"{__package__}.plan: error: {error}", file=sys.stderr)
+            raise SystemExit(EXIT_USAGE) from None
         return
     cfg = load_config(rest)
     if args.json:

@@ -169,6 +169,8 @@ def detect_main(rest: list[str], detected_file: Path | None) -> str:
     answers_file = root / ".copier-answers.yml"
     answers = hardware.read_answers(answers_file.read_text()) if answers_file.is_file() else {}
     preset_file = root / "configs" / f"{answers.get('model_size', '')}.toml"
+    if answers and not preset_file.is_file():  # the debug presets (debug, vit-debug) are configs/debug.toml
+        preset_file = root / "configs" / "debug.toml"
     if config is None:
         if not preset_file.is_file():
             raise ValueError(
