@@ -49,7 +49,7 @@ from .distributed import (
     resolve_device,
     set_collective_timeout,
 )
-from .evaluate import check_eval_only, checkpoint_to_evaluate, evaluate
+from .evaluate import EvalResult, check_eval_only, checkpoint_to_evaluate, evaluate
 from .metrics import MetricsLogger, flops_per_token, init_logging, peak_tflops
 from .models import build_model
 from .parallelize import (
@@ -221,7 +221,9 @@ def checkpoint_save(ckpt: CheckpointManager, state: TrainState, step: int, *, fi
         ckpt.save(state, step)
 
 
-def validate(model: nn.Module, held_out: HeldOut, ctx: StepContext, step: int, metrics: MetricsLogger | None):
+def validate(
+    model: nn.Module, held_out: HeldOut, ctx: StepContext, step: int, metrics: MetricsLogger | None
+) -> EvalResult:
     """Score the model on the held-out batches (the same ones every time) after `step`, and report it.
 
     Every rank calls it after the same step: the forward passes all-gather (FSDP) and the sums
