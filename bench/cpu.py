@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # A model big enough that per-step overheads show, small enough for a 2-core CI box.
 MEDIUM = ["--model.dim", "512", "--model.n_layers", "6", "--model.n_heads", "8", "--model.n_kv_heads", "4",
           "--model.ffn_hidden_dim", "1536", "--model.vocab_size", "8192", "--model.max_seq_len", "256",
-          "--train.seq_len", "256", "--train.micro_batch_size", "4"]  # fmt: skip
+          "--train.seq_len", "256", "--train.micro_batch_size", "4", "--eval.interval", "0"]  # fmt: skip
 
 
 def render(dst: Path, answers: dict) -> float:

@@ -59,7 +59,7 @@ def main() -> None:
             overrides = ["--train.steps", str(args.steps), "--train.warmup_steps", "5", "--checkpoint.interval",
                          "100000", "--checkpoint.export", "none", "--parallel.compile", str(compile_ == "on"),
                          "--parallel.activation_checkpointing", ac, "--metrics.progress_bar", "False",
-                         "--parallel.float8", recipe]  # fmt: skip
+                         "--parallel.float8", recipe, "--eval.interval", "0"]  # fmt: skip
             config = ["--config", str(project / "configs" / "1b.toml"), "--run_dir", str(run), *overrides]
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
                    "-m", "bench_gpu.train", *config]  # fmt: skip

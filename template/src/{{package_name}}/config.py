@@ -194,6 +194,24 @@ class DataConfig:
 
 
 @dataclass
+class EvalConfig:
+    interval: int = 100
+    """Evaluate on held-out data every N steps and at the end of the run; 0 turns validation off."""
+    batches: int = 10
+    """Global batches per evaluation: the same held-out batches every time, at any world size."""
+    path: str = ""
+    """memmap: a held-out token file (`data prepare` writes val.bin); image_folder: a held-out <class>/<image> tree."""
+    fraction: float = 0.05
+    """Without eval.path: the share of data.path (its tail) held out for validation and never trained on."""
+    only: bool = False
+    """Evaluate the checkpoint that checkpoint.resume finds once and exit, writing nothing (the --eval-only flag)."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.interval > 0 or self.only
+
+
+@dataclass
 class MetricsConfig:
     log_every: int = 1
     """Log loss, grad norm, throughput, MFU and memory every N steps (rank 0)."""
@@ -241,6 +259,7 @@ class Config:
     dist: DistConfig = field(default_factory=DistConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
 
@@ -313,6 +332,7 @@ class Config:
         require(c.export_file_gb > 0, f"checkpoint.export_file_gb={c.export_file_gb} must be positive")
         require(c.keep_last >= 1, f"checkpoint.keep_last={c.keep_last} must be at least 1")
         require(self.data.synthetic_branching >= 1, "data.synthetic_branching must be at least 1")
+        errors += self.eval_errors()
         require(self.metrics.log_every > 0, f"metrics.log_every={self.metrics.log_every} must be positive")
         window = self.metrics.profile_steps.split("-")
         require(
@@ -322,6 +342,37 @@ class Config:
         if errors:
             raise UsageError("invalid config:\n  " + "\n  ".join(errors))
         return self
+
+    def eval_errors(self) -> list[str]:
+        """What stops validation (eval.*) from working with this data; see data.build_held_out."""
+        e, d = self.eval, self.data
+        errors = []
+        if e.interval < 0:
+            errors.append(f"eval.interval={e.interval} must be 0 (no validation) or a number of steps")
+        if e.batches < 1:
+            errors.append(f"eval.batches={e.batches} must be at least 1")
+        if not 0 <= e.fraction < 1:
+            errors.append(f"eval.fraction={e.fraction} must be in [0, 1): the share of data.path held out")
+        files = d.source in ("memmap", "image_folder")
+        if e.path and not files:
+            errors.append(
+                f"eval.path is for data.source=memmap or image_folder; {d.source} data holds out its own seed: "
+                "remove eval.path"
+            )
+        if files and e.enabled and not e.path:
+            if e.fraction == 0:
+                errors.append(
+                    "eval.fraction=0 holds nothing of data.path out for validation: set eval.path to held-out "
+                    "data, eval.fraction to a share such as 0.05, or eval.interval=0"
+                )
+            if d.shard_by == "rank" and "{rank}" in d.path:
+                errors.append(
+                    "per-rank data files (data.path with {rank}) need one held-out file for every rank to "
+                    "evaluate: set eval.path, or eval.interval=0"
+                )
+        if e.only and self.checkpoint.resume == "never":
+            errors.append("--eval-only evaluates a checkpoint: set checkpoint.resume to auto or a checkpoint directory")
+        return errors
 
 
 def _from_dict(cls: type, data: dict, where: str):
@@ -373,6 +424,7 @@ def load_config(argv: list[str] | None = None) -> Config:
     """Parse `--config FILE` and the overrides that follow it."""
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config", type=Path, default=None, help="TOML file with the run's settings")
+    pre.add_argument("--eval-only", action="store_true", help="evaluate a checkpoint once (eval.only)")
     args, rest = pre.parse_known_args(argv)
     base = Config()
     if args.config is not None:
@@ -380,6 +432,8 @@ def load_config(argv: list[str] | None = None) -> Config:
             raise UsageError(f"--config {args.config}: no such file")
         with args.config.open("rb") as f:
             base = _from_dict(Config, tomllib.load(f), "")
+    if args.eval_only:
+        base = dataclasses.replace(base, eval=dataclasses.replace(base.eval, only=True))
     with _quiet_unless_reporting():  # tyro prints its own refusals (and --help), then exits with EXIT_USAGE
         cfg = tyro.cli(
             Config,

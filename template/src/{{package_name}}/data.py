@@ -11,15 +11,21 @@ With `data.shard_by = "rank"` each rank reads its own part (a file per rank, `{r
 `data.path`, or its slice of one file) in order, once: ranks may run out at different steps, and
 `data.uneven_inputs` decides what happens then (see `agree_on_steps` and train.py).
 
+Validation reads held-out data that training never reads (build_held_out): generated data from
+random streams of its own, token files and image folders from `eval.path` or, without one, from
+the tail of `data.path` (`eval.fraction`), which training then leaves out.
+
     python -m <package>.data prepare --dataset DIR --tokenizer DIR --out tokens.bin
 
-turns a local Hugging Face dataset and tokenizer into a token file for `data.source = "memmap"`.
+turns a local Hugging Face dataset and tokenizer into a token file for `data.source = "memmap"`,
+and a held-out share of its rows into val.bin beside it (for `eval.path`).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import math
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +42,12 @@ def _generator(seed: int, index: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 1_000_003 + index)
 
 
+def _stream(index: int, held_out: bool) -> int:
+    """Generator index of batch `index`: training counts up from 0, held-out data down from -2 (-1 draws
+    the data's own structure), so the two splits never share a random stream."""
+    return -2 - index if held_out else index
+
+
 class SyntheticTokens:
     """A random Markov chain in which every token has `branching` possible successors.
 
@@ -43,12 +55,12 @@ class SyntheticTokens:
     ln(branching), so a falling loss shows the model, optimizer and sharding all work.
     """
 
-    def __init__(self, vocab_size: int, seq_len: int, branching: int, seed: int):
-        self.vocab_size, self.seq_len, self.seed = vocab_size, seq_len, seed
+    def __init__(self, vocab_size: int, seq_len: int, branching: int, seed: int, held_out: bool = False):
+        self.vocab_size, self.seq_len, self.seed, self.held_out = vocab_size, seq_len, seed, held_out
         self.successors = torch.randint(vocab_size, (vocab_size, branching), generator=_generator(seed, -1))
 
     def batch(self, index: int, size: int) -> Batch:
-        g = _generator(self.seed, index)
+        g = _generator(self.seed, _stream(index, self.held_out))
         tokens = torch.empty(size, self.seq_len + 1, dtype=torch.long)
         tokens[:, 0] = torch.randint(self.vocab_size, (size,), generator=g)
         choices = torch.randint(self.successors.shape[1], (size, self.seq_len), generator=g)
@@ -58,19 +70,32 @@ class SyntheticTokens:
 
 
 class MemmapTokens:
-    """Windows of seq_len + 1 tokens from a flat token file, in a seeded order reshuffled per epoch."""
+    """Windows of seq_len + 1 tokens from a flat token file, in a seeded order reshuffled per epoch.
 
-    def __init__(self, path: Path, dtype: str, seq_len: int, seed: int, part: tuple[int, int] | None = None):
+    `tail` is the share at the end of the file held out for validation: training reads the rest,
+    `held_out=True` reads only that tail.
+    """
+
+    def __init__(
+        self, path: Path, dtype: str, seq_len: int, seed: int, part: tuple[int, int] | None = None,
+        tail: float = 0.0, held_out: bool = False,
+    ):  # fmt: skip
         if not path.is_file():
             raise UsageError(f"data.path={path}: no such token file (python -m {__package__}.data prepare writes one)")
         tokens = np.memmap(path, dtype=dtype, mode="r")
+        cut = len(tokens) - int(len(tokens) * tail)
+        tokens = tokens[cut:] if held_out else tokens[:cut]
         if part is not None:  # this rank's contiguous slice of one shared file
             index, count = part
             tokens = tokens[index * len(tokens) // count : (index + 1) * len(tokens) // count]
         self.tokens, self.seq_len, self.seed = tokens, seq_len, seed
         self.windows = (len(tokens) - 1) // seq_len
         if self.windows < 1:
-            raise UsageError(f"data.path={path} holds {len(tokens)} tokens, fewer than one sequence of {seq_len + 1}")
+            what = f"{path} (its held-out tail, eval.fraction={tail})" if held_out else str(path)
+            raise UsageError(f"{what} holds {len(tokens)} tokens, fewer than one sequence of {seq_len + 1}")
+
+    def __len__(self) -> int:
+        return self.windows
 
     def window(self, sample: int, shuffle: bool = True) -> torch.Tensor:
         epoch, position = divmod(sample, self.windows)
@@ -86,26 +111,32 @@ class MemmapTokens:
 class SyntheticImages:
     """Images made of a class prototype plus noise: learnable, so the loss falls from ln(classes)."""
 
-    def __init__(self, image_size: int, channels: int, num_classes: int, seed: int):
+    def __init__(self, image_size: int, channels: int, num_classes: int, seed: int, held_out: bool = False):
         self.shape, self.num_classes, self.seed = (channels, image_size, image_size), num_classes, seed
+        self.held_out = held_out
         self.prototypes = torch.randn(num_classes, *self.shape, generator=_generator(seed, -1))
 
     def batch(self, index: int, size: int) -> Batch:
-        g = _generator(self.seed, index)
+        g = _generator(self.seed, _stream(index, self.held_out))
         labels = torch.randint(self.num_classes, (size,), generator=g)
         return self.prototypes[labels] + torch.randn(size, *self.shape, generator=g), labels
 
 
 class ImageFolder:
-    """`<root>/<class>/<image>` files (anything Pillow reads), resized, in a seeded order per epoch."""
+    """`<root>/<class>/<image>` files (anything Pillow reads), resized, in a seeded order per epoch.
 
-    def __init__(self, root: Path, image_size: int, channels: int, seed: int):
-        classes = sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
-        self.samples = [
-            (f, label) for label, c in enumerate(classes) for f in sorted((root / c).iterdir()) if f.is_file()
-        ]
+    `tail` is the share of each class's files (the last in name order, but never all) held out for
+    validation: training reads the rest, `held_out=True` reads only those.
+    """
+
+    def __init__(self, root: Path, image_size: int, channels: int, seed: int, tail: float = 0.0, held_out=False):
+        self.samples = []
+        for label, files in enumerate(_image_files(root).values()):
+            cut = len(files) - min(math.ceil(len(files) * tail), len(files) - 1)
+            self.samples += [(f, label) for f in (files[cut:] if held_out else files[:cut])]
         if not self.samples:
-            raise UsageError(f"data.path={root}: expected <class>/<image> files, found none")
+            what = "no held-out files (raise eval.fraction or set eval.path)" if held_out else "none"
+            raise UsageError(f"data.path={root}: expected <class>/<image> files, found {what}")
         self.image_size, self.mode, self.seed = image_size, {1: "L", 3: "RGB"}[channels], seed
 
     def load(self, sample: int) -> tuple[torch.Tensor, int]:
@@ -124,17 +155,28 @@ class ImageFolder:
         loaded = [self.load(index * size + i) for i in range(size)]
         return torch.stack([x for x, _ in loaded]), torch.tensor([y for _, y in loaded])
 
+    def __len__(self) -> int:
+        return len(self.samples)
+
+
+def _image_files(root: Path) -> dict[str, list[Path]]:
+    """Files of each class folder under `root`, classes and files in name order (labels follow the classes)."""
+    classes = sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+    return {c: sorted(f for f in (root / c).iterdir() if f.is_file()) for c in classes}
+
 
 class Loader:
     """This rank's micro-batches of each step, in order, from a global or a per-rank source."""
 
-    def __init__(self, source, cfg: Config, rank: int, world_size: int, device: torch.device):
+    def __init__(
+        self, source, cfg: Config, rank: int, world_size: int, device: torch.device, rank_sharded: bool | None = None
+    ):
         t = cfg.train
         self.grad_accum_steps = grad_accum_steps(t.global_batch_size, t.micro_batch_size, world_size)
         self.source, self.device, self.rank = source, device, rank
         self.global_batch_size, self.micro_batch_size = t.global_batch_size, t.micro_batch_size
         self.per_rank = t.global_batch_size // world_size
-        self.rank_sharded = cfg.data.shard_by == "rank"
+        self.rank_sharded = cfg.data.shard_by == "rank" if rank_sharded is None else rank_sharded
         self.position = 0
 
     def local_steps(self) -> int | None:
@@ -200,12 +242,30 @@ def check_data(cfg: Config, rank: int, world_size: int) -> None:
     """Refuse, before the process group starts, a data path that does not exist or a batch that does not split."""
     grad_accum_steps(cfg.train.global_batch_size, cfg.train.micro_batch_size, world_size)
     path = data_path(cfg, rank)
-    if path is not None and not path.exists():
-        if cfg.data.source == "memmap":
-            what = f"token file (python -m {__package__}.data prepare writes one)"
-        else:
-            what = "image folder (<class>/<image> files)"
+    if path is None:
+        return
+    if cfg.data.source == "memmap":
+        what = f"token file (python -m {__package__}.data prepare writes one)"
+    else:
+        what = "image folder (<class>/<image> files)"
+    if not path.exists():
         raise UsageError(f"data.path={path}: no such {what}; point data.path at it")
+    e = cfg.eval
+    if e.enabled and e.path:
+        if not Path(e.path).exists():
+            raise UsageError(f"eval.path={e.path}: no such held-out {what}; point eval.path at it")
+        if cfg.data.source == "image_folder" and list(_image_files(Path(e.path))) != list(_image_files(path)):
+            raise UsageError(
+                f"eval.path={e.path} has classes {list(_image_files(Path(e.path)))}, data.path={path} has "
+                f"{list(_image_files(path))}: the labels would not match; give both the same class folders"
+            )
+    elif e.enabled and cfg.data.source == "memmap" and path.is_file():
+        tokens = path.stat().st_size // np.dtype(cfg.data.dtype).itemsize
+        if int(tokens * e.fraction) < cfg.train.seq_len + 1:
+            raise UsageError(
+                f"eval.fraction={e.fraction} of data.path={path} ({tokens} tokens) holds out fewer than one sequence "
+                f"of {cfg.train.seq_len + 1} tokens: raise eval.fraction, or set eval.path to a held-out token file"
+            )
 
 
 def build_loader(cfg: Config, rank: int, world_size: int, device: torch.device) -> Loader:
@@ -214,29 +274,97 @@ def build_loader(cfg: Config, rank: int, world_size: int, device: torch.device) 
     if d.source == "memmap":
         per_rank_file = d.shard_by == "rank" and "{rank}" in d.path
         part = (rank, world_size) if d.shard_by == "rank" and not per_rank_file else None
-        source = MemmapTokens(path, d.dtype, t.seq_len, t.seed, part)
+        source = MemmapTokens(path, d.dtype, t.seq_len, t.seed, part, tail=held_out_tail(cfg))
     elif d.source == "synthetic_images":
         source = SyntheticImages(m.image_size, m.channels, m.num_classes, t.seed)
     elif d.source == "image_folder":
-        source = ImageFolder(path, m.image_size, m.channels, t.seed)
+        source = ImageFolder(path, m.image_size, m.channels, t.seed, tail=held_out_tail(cfg))
     else:
         source = SyntheticTokens(m.vocab_size, t.seq_len, d.synthetic_branching, t.seed)
     return Loader(source, cfg, rank, world_size, device)
 
 
-def prepare(dataset: Path, tokenizer: Path, out: Path, text_column: str = "text") -> int:
-    """Tokenize a local Hugging Face dataset into a flat token file; return the token count."""
+def held_out_tail(cfg: Config) -> float:
+    """The share of data.path kept for validation: eval.fraction, unless eval.path holds the held-out data.
+
+    Held out whether or not this run evaluates, so that turning validation on, or evaluating a
+    checkpoint later (--eval-only), never scores data the model has trained on.
+    """
+    return 0.0 if cfg.eval.path else cfg.eval.fraction
+
+
+class HeldOut:
+    """The validation batches: the first eval.batches global batches of the held-out data, every time.
+
+    Each is a global batch, sliced per rank and split into micro-batches like the training
+    batches, so every rank runs the same number of forward passes (FSDP's all-gathers are
+    collectives) and the set of samples does not depend on the world size. It has a loader of
+    its own: evaluating never moves the training data's position.
+    """
+
+    def __init__(self, loader: Loader, batches: int, interval: int):
+        self.loader, self.batches, self.interval = loader, batches, interval
+
+    def __iter__(self):
+        for index in range(self.batches):
+            self.loader.position = index
+            yield self.loader.next_batches()
+
+    def __len__(self) -> int:
+        return self.batches
+
+    def due(self, step: int, last: int) -> bool:
+        """Evaluate after this step: every eval.interval steps and after the last."""
+        return self.interval > 0 and (step % self.interval == 0 or step == last)
+
+
+def build_held_out(cfg: Config, rank: int, world_size: int, device: torch.device) -> HeldOut | None:
+    """The held-out batches validation reads (None when it is off): data that build_loader never returns."""
+    d, t, m, e = cfg.data, cfg.train, cfg.model, cfg.eval
+    if not e.enabled:
+        return None
+    root = Path(e.path or d.path)
+    tail, held_out = held_out_tail(cfg), not e.path  # without eval.path: the tail that training leaves out
+    if d.source == "memmap":
+        source = MemmapTokens(root, d.dtype, t.seq_len, t.seed, tail=tail, held_out=held_out)
+    elif d.source == "synthetic_images":
+        source = SyntheticImages(m.image_size, m.channels, m.num_classes, t.seed, held_out=True)
+    elif d.source == "image_folder":
+        source = ImageFolder(root, m.image_size, m.channels, t.seed, tail=tail, held_out=held_out)
+    else:
+        source = SyntheticTokens(m.vocab_size, t.seq_len, d.synthetic_branching, t.seed, held_out=True)
+    wanted = e.batches * t.global_batch_size
+    if hasattr(source, "__len__") and len(source) < wanted:
+        logger.warning(
+            "eval.batches=%d x train.global_batch_size=%d = %d samples, but the held-out data has %d: some count "
+            "more than once", e.batches, t.global_batch_size, wanted, len(source),
+        )  # fmt: skip
+    return HeldOut(Loader(source, cfg, rank, world_size, device, rank_sharded=False), e.batches, e.interval)
+
+
+def prepare(
+    dataset: Path, tokenizer: Path, out: Path, text_column: str = "text", val_fraction: float = 0.01, seed: int = 0
+) -> int:
+    """Tokenize a local Hugging Face dataset into a flat token file, and a held-out share of its rows
+    (picked at random with `seed`) into val.bin beside it; return the training token count."""
     from datasets import load_from_disk
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tokenizer, local_files_only=True)
     data = load_from_disk(str(dataset))
+    splits = {out: data}
+    if val_fraction > 0:
+        split = data.train_test_split(test_size=val_fraction, seed=seed)
+        splits = {out: split["train"], out.with_name("val.bin"): split["test"]}
     dtype = np.uint16 if len(tok) <= 2**16 else np.uint32
     eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
-    ids = [i for row in data[text_column] for i in tok(row)["input_ids"] + eos]
-    np.asarray(ids, dtype=dtype).tofile(out)
-    print(f"wrote {len(ids)} {np.dtype(dtype).name} tokens to {out} (data.dtype = {np.dtype(dtype).name!r})")
-    return len(ids)
+    counts = []
+    for path, rows in splits.items():
+        ids = [i for row in rows[text_column] for i in tok(row)["input_ids"] + eos]
+        np.asarray(ids, dtype=dtype).tofile(path)
+        counts.append(len(ids))
+        print(f"wrote {len(ids)} {np.dtype(dtype).name} tokens to {path} (data.dtype = {np.dtype(dtype).name!r})")
+    return counts[0]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -247,8 +375,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tokenizer", type=Path, required=True, help="a local tokenizer directory")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--text-column", default="text")
+    p.add_argument("--val-fraction", type=float, default=0.01, help="share of rows held out into val.bin beside --out")
     args = parser.parse_args(argv)
-    prepare(args.dataset, args.tokenizer, args.out, args.text_column)
+    if args.out.name == "val.bin" and args.val_fraction > 0:
+        parser.error("--out val.bin is where the held-out rows go: name the training file otherwise")
+    prepare(args.dataset, args.tokenizer, args.out, args.text_column, args.val_fraction)
 
 
 if __name__ == "__main__":

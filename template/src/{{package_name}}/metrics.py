@@ -14,6 +14,7 @@ import torch
 from tqdm import tqdm
 
 from .config import Config
+from .evaluate import EvalResult
 from .presets import PEAK_TFLOPS
 
 logger = logging.getLogger(__name__)
@@ -109,6 +110,24 @@ class MetricsLogger:
             record["peak_mem_gib"],
         )  # fmt: skip
 
+    def log_eval(self, step: int, result: EvalResult) -> None:
+        """Record a validation (rank 0 writes): a metrics.jsonl row of its own, with val_ keys."""
+        if not self.enabled:
+            return
+        scalars = result.scalars()
+        record = {"step": step, **{f"val_{k}": v for k, v in scalars.items()}, "val_targets": result.targets,
+                  "eval_time_s": result.seconds}  # fmt: skip
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.sink:
+            self.sink(step, scalars, "val")
+        logger.info(
+            "step %d  validation  %s  (%d targets, %.1f s)",
+            step, "  ".join(f"val_{k} {v:.4f}" for k, v in scalars.items()), result.targets, result.seconds,
+        )  # fmt: skip
+        # The next training step's throughput must not count the evaluation.
+        self.last_time += result.seconds
+
     def after_step(self, step: int) -> None:
         self.profiler.after_step(step)
 
@@ -122,18 +141,18 @@ class MetricsLogger:
 
 
 def _sink(cfg: Config, run_dir: Path):
-    """A callable(step, scalars) for the configured metrics backend; (None, None) closes it."""
+    """A callable(step, scalars, section="train") for the configured metrics backend; (None, None) closes it."""
     backend = cfg.metrics.backend
     if backend == "tensorboard":
         from torch.utils.tensorboard import SummaryWriter
 
         writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
 
-        def write(step, scalars):
+        def write(step, scalars, section="train"):
             if step is None:
                 return writer.close()
             for name, value in scalars.items():
-                writer.add_scalar(f"train/{name}", value, step)
+                writer.add_scalar(f"{section}/{name}", value, step)
             writer.flush()
 
         return write
@@ -141,8 +160,8 @@ def _sink(cfg: Config, run_dir: Path):
         import wandb  # reads WANDB_API_KEY / WANDB_MODE from the environment; no key is ever stored
 
         run = wandb.init(project=cfg.metrics.wandb_project or run_dir.name, dir=str(run_dir), config=asdict(cfg))
-        return lambda step, scalars: (
-            run.finish() if step is None else run.log({f"train/{k}": v for k, v in scalars.items()}, step=step)
+        return lambda step, scalars, section="train": (
+            run.finish() if step is None else run.log({f"{section}/{k}": v for k, v in scalars.items()}, step=step)
         )
     return None
 

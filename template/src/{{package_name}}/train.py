@@ -1,7 +1,9 @@
 """Training entry point. main() reads top to bottom as the run happens:
 
     init_distributed -> build_model_meta -> build_optimizer -> checkpoint_load
-    -> loop { train_step -> metrics -> checkpoint_save } -> teardown
+    -> loop { train_step -> metrics -> validate -> checkpoint_save } -> teardown
+
+`--eval-only` stops after checkpoint_load: it scores the checkpoint on the held-out data once.
 
 Launch with torchrun, e.g. `torchrun --standalone --nproc_per_node 2 -m <package>.train
 --config configs/debug.toml`, or with scripts/run_local.sh. Bad input (config, data path,
@@ -11,6 +13,7 @@ and reported once, by local rank 0, which exits with code 2 (config.EXIT_USAGE);
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import sys
@@ -31,7 +34,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from .checkpoint import CheckpointManager, TrainState, check_resume
 from .config import EXIT_USAGE, Config, UsageError, load_config, reports_errors
-from .data import agree_on_steps, build_loader, check_data
+from .data import HeldOut, agree_on_steps, build_held_out, build_loader, check_data
 from .distributed import (
     DistEnv,
     LoopControl,
@@ -46,6 +49,7 @@ from .distributed import (
     resolve_device,
     set_collective_timeout,
 )
+from .evaluate import EvalResult, check_eval_only, checkpoint_to_evaluate, evaluate
 from .metrics import MetricsLogger, init_logging, peak_tflops
 from .models import ModelShape, build_model, model_spec
 from .parallelize import (
@@ -79,6 +83,7 @@ def init_distributed(cfg: Config) -> DistEnv:
     check_data(cfg, rdzv.rank, rdzv.world_size)
     check_resume(cfg.checkpoint)
     check_init_from(cfg)
+    check_eval_only(cfg)
     check_float8(cfg.parallel.float8, device)
     if device.type != "cpu":
         torch.accelerator.set_device_index(device.index)
@@ -220,6 +225,24 @@ def checkpoint_save(ckpt: CheckpointManager, state: TrainState, step: int, *, fi
         ckpt.save(state, step)
 
 
+def validate(
+    model: nn.Module, held_out: HeldOut, ctx: StepContext, step: int, metrics: MetricsLogger | None
+) -> EvalResult:
+    """Score the model on the held-out batches (the same ones every time) after `step`, and report it.
+
+    Every rank calls it after the same step: the forward passes all-gather (FSDP) and the sums
+    are all-reduced. The model goes back to train mode and nothing else changes: no gradients, no
+    random draws, and the training loader keeps its position. Without metrics (--eval-only)
+    rank 0 prints the result as one JSON line and nothing is written.
+    """
+    result = evaluate(model, held_out, ctx.device, ctx.autocast_dtype)
+    if metrics is not None:
+        metrics.log_eval(step, result)
+    elif dist.get_rank() == 0:
+        print(json.dumps({"step": step, **{f"val_{k}": v for k, v in result.scalars().items()}}), flush=True)
+    return result
+
+
 def build_step_context(cfg: Config, env: DistEnv) -> StepContext:
     p = cfg.parallel
     low_precision = DTYPES[p.mixed_precision] if p.mixed_precision != "fp32" else None
@@ -292,12 +315,16 @@ def main(argv: list[str] | None = None) -> None:
     model = state = None
     try:
         ckpt = CheckpointManager(cfg.checkpoint, Path(cfg.run_dir) / "checkpoints", env.rank, env.world_size)
-        resume = ckpt.resume_path()
+        resume = checkpoint_to_evaluate(cfg, env.rank) if cfg.eval.only else ckpt.resume_path()
         model = build_model_meta(cfg, env, init_weights=resume is None)
         optimizer, scheduler = build_optimizer(cfg, model)
         loader = build_loader(cfg, env.rank, env.world_size, env.device)
         state = TrainState(model, optimizer, scheduler, loader, env.rank)
         start = step = checkpoint_load(ckpt, state, resume)
+        held_out = build_held_out(cfg, env.rank, env.world_size, env.device)
+        if cfg.eval.only:  # score the checkpoint and stop, writing nothing
+            validate(model, held_out, build_step_context(cfg, env), step, None)
+            return
         ctx, metrics, stop = build_step_context(cfg, env), build_metrics(cfg, env, model, step), StopRequest()
         # Per-rank data may run out unevenly: agree on the shortest (min), or let DDP ranks that
         # ran out shadow the others' collectives (join); global-batch data never runs out.
@@ -316,6 +343,8 @@ def main(argv: list[str] | None = None) -> None:
                 if metrics.should_log(step):
                     metrics.log(step, mean_across_ranks(result.loss, env.device), result.grad_norm, result.lr)
                 metrics.after_step(step)
+                if held_out and held_out.due(step, last) and not joining:  # a joined rank runs no forward
+                    validate(model, held_out, ctx, step, metrics)
                 if step == start + 1:
                     set_collective_timeout(cfg.dist.train_timeout_s)
                 preempted = any_rank(stop.requested, env.device)
@@ -329,6 +358,8 @@ def main(argv: list[str] | None = None) -> None:
         if joining:  # every rank is back in step: save where the longest-running rank stopped
             step = control.step
             checkpoint_save(ckpt, state, step, final=True)
+            if held_out and held_out.interval:
+                validate(model, held_out, ctx, step, metrics)
         if step == cfg.train.steps and cfg.checkpoint.export != "none":
             export_weights(model, cfg, Path(cfg.run_dir) / "export", env.is_main)
         ckpt.close()
