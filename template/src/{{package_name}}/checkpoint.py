@@ -23,6 +23,7 @@ import os
 import random
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -202,9 +203,29 @@ class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
         super().load_bytes(read_item, vetted)
 
 
+FaultHook = Callable[[str, int | None], None]
+"""Called as hook(point, step) where a crash must leave the last good checkpoint loadable:
+
+    "save"      save(step) was called; nothing written yet (every rank)
+    "written"   every rank's shards and .metadata are on disk; no marker yet (every rank)
+    "marked"    COMPLETE.json is written; the directory is not yet renamed (rank 0)
+    "removing"  a directory being deleted has lost its marker, not yet its files (rank 0); step is
+                that of the save under way, None when a resume clears what a crash left
+    "load"      a checkpoint is about to be read (every rank); step is None
+"""
+
+
 class CheckpointManager:
-    def __init__(self, cfg: CheckpointConfig, root: Path, rank: int, world_size: int):
+    """Saves, prunes and finds the checkpoints under `root`; see the module docstring.
+
+    `faults` lets tests crash the process at each point of a save, a deletion or a load (tests/fault_train.py).
+    """
+
+    def __init__(
+        self, cfg: CheckpointConfig, root: Path, rank: int, world_size: int, *, faults: FaultHook | None = None
+    ):
         self.cfg, self.root, self.rank, self.world_size = cfg, root, rank, world_size
+        self.faults = faults
         # Async saves run their collectives on a gloo group of their own, off the training stream.
         self.async_group = dist.new_group(backend="gloo") if cfg.format == "dcp_async" else None
         self.pending = None  # (future, partial dir, step) of an async save in flight
@@ -244,7 +265,7 @@ class CheckpointManager:
                 "skipping checkpoints in %s that cannot be loaded: %s",
                 self.root, "; ".join(f"{path.name}: {why} ({fates[path]})" for path, why in unusable.items()),
             )  # fmt: skip
-            self._clear_debris()
+            self._clear_debris(step=None)
         return str(complete[0]) if complete else None
 
     # -- saving ---------------------------------------------------------------------------------
@@ -252,6 +273,7 @@ class CheckpointManager:
     def save(self, state: TrainState, step: int) -> None:
         """Write a checkpoint of `state` at `step`; async mode returns once the state is staged."""
         started = time.perf_counter()
+        self._fault("save", step)
         self._save(state, step)
         if self.rank == 0:
             # How long the training loop waited: the figure to watch when choosing dcp_async.
@@ -292,11 +314,13 @@ class CheckpointManager:
 
     def _finalize(self, partial: Path, target: Path, step: int) -> None:
         # dcp.save returns on every rank only after all shards and .metadata are written.
+        self._fault("written", step)
         if self.rank != 0:
             return
         files = {p.name: p.stat().st_size for p in partial.iterdir() if p.is_file()}
         marker = {"step": step, "world_size": self.world_size, "torch": torch.__version__, "files": files}
         _write_durably(partial / MARKER, json.dumps(marker, indent=1))
+        self._fault("marked", step)
         # A directory at the target is damaged (_save verified it): it would block the rename, so it
         # goes aside first. A crash between the renames leaves two `.partial` directories, which the
         # next resume reports and deletes; the checkpoints before this step are untouched.
@@ -306,26 +330,37 @@ class CheckpointManager:
         os.replace(partial, target)
         _fsync_dir(self.root)
         if damaged:
-            _remove(damaged)
+            self._remove(damaged, step)
         logger.info("saved checkpoint %s", target)
-        self._purge(keep=target)
+        self._purge(keep=target, step=step)
 
-    def _purge(self, keep: Path) -> None:
+    def _purge(self, keep: Path, step: int) -> None:
         """Delete checkpoints beyond keep_last, and what crashed saves or deletions left behind."""
         complete = [p for p in self.scan()[0] if p != keep]
         for old in complete[self.cfg.keep_last - 1 :]:
-            _remove(old)
-        self._clear_debris()
+            self._remove(old, step)
+        self._clear_debris(step)
 
-    def _clear_debris(self) -> None:
+    def _clear_debris(self, step: int | None) -> None:
         """Remove what interrupted saves and deletions left: see _is_debris."""
         for path in self.root.glob("step_*"):
             if _is_debris(path):
-                _remove(path)
+                self._remove(path, step)
+
+    def _remove(self, path: Path, step: int | None) -> None:
+        """Drop the marker first: a crash mid-delete must not leave a 'complete' checkpoint with holes."""
+        (path / MARKER).unlink(missing_ok=True)
+        self._fault("removing", step)
+        shutil.rmtree(path, ignore_errors=True)
+
+    def _fault(self, point: str, step: int | None) -> None:
+        if self.faults is not None:
+            self.faults(point, step)
 
     # -- loading --------------------------------------------------------------------------------
 
     def load(self, state: TrainState, path: Path) -> None:
+        self._fault("load", None)
         saved_world = json.loads((path / MARKER).read_text())["world_size"]
         state.restore_per_rank = saved_world == self.world_size
         if not state.restore_per_rank:
@@ -378,6 +413,12 @@ def verify(path: Path) -> str:
     return ""
 
 
+def checkpoint_steps(root: Path) -> dict[int, Path]:
+    """Every complete checkpoint under `root` (see verify), by the step its marker records, oldest first."""
+    complete = (path for path in sorted(root.glob("step_*")) if ".partial" not in path.name and not verify(path))
+    return {json.loads((path / MARKER).read_text())["step"]: path for path in complete}
+
+
 def _is_debris(path: Path) -> bool:
     """A `.partial-*` directory (an unfinished save), or one without a marker (an interrupted deletion).
 
@@ -399,9 +440,3 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _remove(path: Path) -> None:
-    """Drop the marker first: a crash mid-delete must not leave a 'complete' checkpoint with holes."""
-    (path / MARKER).unlink(missing_ok=True)
-    shutil.rmtree(path, ignore_errors=True)

@@ -32,7 +32,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from .checkpoint import CheckpointManager, TrainState, check_resume
+from .checkpoint import CheckpointManager, FaultHook, TrainState, check_resume
 from .config import EXIT_USAGE, Config, UsageError, load_config, reports_errors
 from .data import HeldOut, agree_on_steps, build_held_out, build_loader, check_data
 from .distributed import (
@@ -302,7 +302,8 @@ def refuse(error: UsageError | None) -> NoReturn:
 
 
 @record
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, *, faults: FaultHook | None = None) -> None:
+    """Train as the config says; `faults` is for tests that crash a save (tests/fault_train.py)."""
     try:
         cfg = load_config(argv)
         env = init_distributed(cfg)
@@ -314,7 +315,9 @@ def main(argv: list[str] | None = None) -> None:
         raise
     model = state = None
     try:
-        ckpt = CheckpointManager(cfg.checkpoint, Path(cfg.run_dir) / "checkpoints", env.rank, env.world_size)
+        ckpt = CheckpointManager(
+            cfg.checkpoint, Path(cfg.run_dir) / "checkpoints", env.rank, env.world_size, faults=faults
+        )
         resume = checkpoint_to_evaluate(cfg, env.rank) if cfg.eval.only else ckpt.resume_path()
         model = build_model_meta(cfg, env, init_weights=resume is None)
         optimizer, scheduler = build_optimizer(cfg, model)
