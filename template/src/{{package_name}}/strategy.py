@@ -81,8 +81,9 @@ class Strategy(ABC):
         """
         return get_state_dict(model, optimizer)
 
-    def load_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict,
-                        optim_state: dict) -> None:  # fmt: skip
+    def load_state_dict(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, optim_state: dict
+    ) -> None:
         """Install what DCP loaded into the dicts state_dict() gave it."""
         set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
 
@@ -180,8 +181,9 @@ class ZeroDDP(DDP):
     ) -> tuple[dict, dict]:
         return get_model_state_dict(model), zero_state_dict(self.unwrap(model), optimizer, saved_optim_keys)
 
-    def load_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict,
-                        optim_state: dict) -> None:  # fmt: skip
+    def load_state_dict(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, optim_state: dict
+    ) -> None:
         set_model_state_dict(model, model_state)
         set_zero_state_dict(self.unwrap(model), optimizer, optim_state)
 
