@@ -126,7 +126,6 @@ from pathlib import Path
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from bench_pkg import train, weights
 from bench_pkg.config import load_config
-from bench_pkg.parallelize import init_weights_from_rank0
 
 PAGE = 4096
 
@@ -161,7 +160,7 @@ if op == "load_sharded":
     cfg.checkpoint.init_from = path
     added = peak_added(lambda: weights.load_pretrained(model, cfg))
 elif op == "load_rank0":
-    added = peak_added(lambda: init_weights_from_rank0(model, lambda: weights.load(Path(path), cfg.model)))
+    added = peak_added(lambda: env.strategy.apply_weights_from_rank0(model, lambda: weights.load(Path(path), cfg.model)))
 elif op == "export_sharded":
     added = peak_added(lambda: weights.export_weights(model, cfg, Path(path), env.is_main))
 else:

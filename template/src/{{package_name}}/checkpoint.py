@@ -29,22 +29,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch import nn
 from torch.distributed.checkpoint import DefaultLoadPlanner
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_state_dict,
-    set_model_state_dict,
-    set_state_dict,
-)
 from torch.distributed.checkpoint.stateful import Stateful
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_map
 
 from .config import CheckpointConfig, UsageError
-from .parallelize import unwrap
+from .strategy import Strategy
 
 logger = logging.getLogger(__name__)
 
@@ -56,24 +48,21 @@ CHECKPOINT_KEY = "train"
 class TrainState(Stateful):
     """Everything a resumed run needs: model, optimizer, LR schedule, step, data position, RNG.
 
-    The model and optimizer go through torch's distributed state-dict API, which gives DCP
-    sharded DTensors, so they reshard on load, and so does the position of global-batch data.
-    Per-rank state (RNG, and the position of per-rank data) is restored only when the world size
-    is unchanged (set `restore_per_rank` before loading).
+    The model and optimizer state come from the strategy (torch's distributed state-dict API, or
+    ZeRO's per-rank shares in its layout): sharded DTensors under FSDP, so they reshard on load,
+    and so does the position of global-batch data. Per-rank state (RNG, and the position of
+    per-rank data) is restored only when the world size is unchanged (set `restore_per_rank`
+    before loading).
     """
 
-    def __init__(self, model, optimizer, scheduler, loader, rank: int):
+    def __init__(self, model, optimizer, scheduler, loader, rank: int, strategy: Strategy):
         self.model, self.optimizer, self.scheduler, self.loader = model, optimizer, scheduler, loader
-        self.rank, self.step, self.restore_per_rank = rank, 0, True
+        self.rank, self.strategy, self.step, self.restore_per_rank = rank, strategy, 0, True
         self.saved_keys: set[str] | None = None
         """Keys of the checkpoint being loaded (DCP metadata); None while saving."""
 
     def state_dict(self) -> dict:
-        if isinstance(self.optimizer, ZeroRedundancyOptimizer):
-            model_state = get_model_state_dict(self.model)
-            optim_state = zero_state_dict(self.model, self.optimizer, self.saved_keys)
-        else:
-            model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        model_state, optim_state = self.strategy.state_dict(self.model, self.optimizer, self._saved_optim_keys())
         state = {
             "model": plain_tensors(model_state),
             "optim": plain_tensors(optim_state),
@@ -87,11 +76,7 @@ class TrainState(Stateful):
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        if isinstance(self.optimizer, ZeroRedundancyOptimizer):
-            set_model_state_dict(self.model, state["model"])
-            set_zero_state_dict(self.model, self.optimizer, state["optim"])
-        else:
-            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        self.strategy.load_state_dict(self.model, self.optimizer, state["model"], state["optim"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = int(state["step"])
         if not self.loader.rank_sharded:
@@ -100,6 +85,13 @@ class TrainState(Stateful):
             _set_rng_state(state[f"rank{self.rank}"]["rng"])
             if self.loader.rank_sharded:
                 self.loader.load_state_dict(state[f"rank{self.rank}"]["data"])
+
+    def _saved_optim_keys(self) -> set[str] | None:
+        """The optimizer's keys in the checkpoint being loaded (`state.<param>.exp_avg`, ...); None while saving."""
+        if self.saved_keys is None:
+            return None
+        prefix = f"{CHECKPOINT_KEY}.optim."
+        return {key.removeprefix(prefix) for key in self.saved_keys if key.startswith(prefix)}
 
 
 def plain_tensors(state: dict) -> dict:
@@ -120,56 +112,6 @@ def plain_tensors(state: dict) -> dict:
         return value
 
     return tree_map(unwrap, state)
-
-
-def zero_state_dict(model: nn.Module, optimizer: ZeroRedundancyOptimizer, saved_keys: set[str] | None) -> dict:
-    """ZeroRedundancyOptimizer's state in the layout of torch's distributed state-dict API.
-
-    Each rank holds AdamW state only for the parameters it owns, so it saves those, keyed by
-    parameter name; loading, it asks for the ones it owns now. The layout is get_state_dict's, so
-    a checkpoint moves between world sizes and between ZeRO and plain DDP. ZeRO's own
-    `consolidate_state_dict` would gather everything on one rank and key it by position instead.
-    `saved_keys` (loading only) leaves out parameters with no saved state, as when fp16 has skipped
-    every step so far: they stay without state, as they were.
-    """
-    names = _parameter_names(model)
-    if saved_keys is None:  # saving: the state this rank holds
-        state = {names[param]: values for param, values in optimizer.optim.state.items()}
-    else:  # loading: empty tensors of the right shape for DCP to fill, for the parameters this rank owns
-        owned = (param for group in optimizer.optim.param_groups for param in group["params"])
-        state = {
-            names[param]: {"step": torch.zeros((), dtype=torch.float32), "exp_avg": torch.zeros_like(param),
-                           "exp_avg_sq": torch.zeros_like(param)}
-            for param in owned
-            if f"{CHECKPOINT_KEY}.optim.state.{names[param]}.exp_avg" in saved_keys
-        }  # fmt: skip
-    groups = [
-        {**{k: v for k, v in group.items() if k != "params"}, "params": [names[p] for p in group["params"]]}
-        for group in optimizer.param_groups
-    ]
-    return {"state": state, "param_groups": groups}
-
-
-def set_zero_state_dict(model: nn.Module, optimizer: ZeroRedundancyOptimizer, optim_state: dict) -> None:
-    """Install the state zero_state_dict() loaded; hyperparameters reach the local optimizer at its next step."""
-    params = {name: param for param, name in _parameter_names(model).items()}
-    for name, values in optim_state["state"].items():
-        optimizer.optim.state[params[name]] = values
-    for group, saved in zip(optimizer.param_groups, optim_state["param_groups"], strict=True):
-        group.update({k: v for k, v in saved.items() if k != "params"})
-
-
-def _parameter_names(model: nn.Module) -> dict[nn.Parameter, str]:
-    """Parameter -> the name get_state_dict uses: its state-dict key, the first one for a tied weight.
-
-    Not named_parameters(): that keeps the wrappers' own components (activation checkpointing adds
-    `_checkpoint_wrapped_module.`), which state-dict hooks remove. DDP's `module.` is unwrapped.
-    """
-    names: dict[nn.Parameter, str] = {}
-    for key, value in unwrap(model).state_dict(keep_vars=True).items():
-        if isinstance(value, nn.Parameter):
-            names.setdefault(value, key)
-    return names
 
 
 def _rng_state() -> dict:

@@ -1,24 +1,20 @@
-"""Activation checkpointing, compile and data parallelism, applied to a model on the meta device.
+"""Activation checkpointing, float8, compile and FSDP sharding, applied to a model on the meta device.
 
 The order follows torchtitan: checkpoint each block, compile each block, then shard each block
-and finally the root. This is the only file that calls `fully_shard`.
+and finally the root. This is the only file that calls `fully_shard` (the FSDP strategy in
+strategy.py does, through apply_fsdp).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from .config import ParallelConfig, UsageError
@@ -154,48 +150,3 @@ def apply_prefetch(blocks: list[FSDPModule], n: int) -> None:
     for i, block in enumerate(blocks):
         block.set_modules_to_forward_prefetch(blocks[i + 1 : i + 1 + n])
         block.set_modules_to_backward_prefetch(blocks[max(i - n, 0) : i][::-1])
-
-
-def init_weights_from_rank0(model: nn.Module, full_state: Callable[[], dict[str, torch.Tensor]]) -> None:
-    """Load the full weights `full_state()` builds on rank 0 into the (sharded) model on every rank.
-
-    The weights are then the same at any world size: DTensor random init depends on the
-    sharding, and on a CPU mesh it even repeats one shard on every rank. This is the FSDP2
-    replacement for FSDP1's sync_module_states.
-    """
-    state = full_state() if dist.get_rank() == 0 else {}
-    if isinstance(model, FSDPModule):
-        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-        set_model_state_dict(model, state, options=options)
-    elif dist.get_rank() == 0:
-        # Not yet wrapped in DDP: its constructor broadcasts rank 0's parameters and buffers.
-        model.load_state_dict(state)
-
-
-def wrap_ddp(model: nn.Module, device: torch.device) -> DistributedDataParallel:
-    """no_shard: every rank holds everything; gradients are all-reduced in buckets."""
-    return DistributedDataParallel(model, device_ids=[device.index] if device.type != "cpu" else None)
-
-
-@contextmanager
-def gradient_sync(model: nn.Module, enabled: bool, *, hsdp: bool) -> Iterator[None]:
-    """Skip gradient communication on all but the last micro-batch of an accumulation."""
-    if isinstance(model, DistributedDataParallel):
-        if enabled:
-            yield
-        else:
-            with model.no_sync():
-                yield
-        return
-    if hsdp:
-        # Keep the reduce-scatter (gradients stay sharded, memory stays bounded) and skip only
-        # the all-reduce across replicas until the last micro-batch.
-        model.set_requires_all_reduce(enabled)
-    else:
-        model.set_requires_gradient_sync(enabled)
-    yield
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The module that owns the architecture (DDP hides it behind .module)."""
-    return model.module if isinstance(model, DistributedDataParallel) else model

@@ -17,7 +17,7 @@ import json
 import logging
 import math
 import sys
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
@@ -28,7 +28,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.algorithms.join import Join
 from torch.distributed.elastic.multiprocessing.errors import record
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 from tqdm.contrib.logging import logging_redirect_tqdm
 
@@ -52,26 +51,16 @@ from .distributed import (
 from .evaluate import EvalResult, check_eval_only, checkpoint_to_evaluate, evaluate
 from .metrics import MetricsLogger, init_logging, peak_tflops
 from .models import ModelShape, build_model, model_spec
-from .parallelize import (
-    DTYPES,
-    apply_ac,
-    apply_compile,
-    apply_float8,
-    apply_fsdp,
-    check_float8,
-    gradient_sync,
-    init_weights_from_rank0,
-    unwrap,
-    wrap_ddp,
-)
+from .parallelize import apply_ac, apply_compile, apply_float8, check_float8
 from .plan import check_plan
+from .strategy import Strategy, build_strategy
 from .weights import check_init_from, export_weights, initial_state, load_pretrained
 
 logger = logging.getLogger(__name__)
 
 
 def init_distributed(cfg: Config) -> DistEnv:
-    """Check the plan and the inputs, join the process group on the right device and backend, build the mesh.
+    """Check the plan and the inputs, join the process group on the right device and backend, choose the strategy.
 
     Every check before init_process_group reads only the config, the environment and the files,
     so every rank finds the same UsageError (see refuse).
@@ -92,44 +81,43 @@ def init_distributed(cfg: Config) -> DistEnv:
     init_process_group(rdzv, device, backend, cfg.dist.init_method, cfg.dist.init_timeout_s)
     shard_size = cfg.parallel.hsdp_shard_size or rdzv.local_world_size
     mesh = build_mesh(cfg.parallel.sharding, device.type, rdzv.world_size, shard_size)
+    strategy = build_strategy(cfg.parallel, mesh, device)
     torch.manual_seed(cfg.train.seed)
     logger.info("world size %d on %s, backend %s, mesh %s", rdzv.world_size, device, backend, mesh)
-    return DistEnv(rdzv.rank, rdzv.world_size, rdzv.local_world_size, device, backend, mesh)
+    return DistEnv(rdzv.rank, rdzv.world_size, rdzv.local_world_size, device, backend, strategy)
 
 
 def build_model_meta(cfg: Config, env: DistEnv, *, init_weights: bool) -> nn.Module:
     """Build on the meta device, parallelize, materialise this rank's shards, initialise."""
     with torch.device("meta"):
         model = build_model(cfg.model)
-    p = cfg.parallel
-    apply_float8(model.layers, p.float8, fsdp=p.sharding != "no_shard")
+    p, strategy = cfg.parallel, env.strategy
+    apply_float8(model.layers, p.float8, fsdp=strategy.shards_parameters)
     apply_ac(model.layers, p.activation_checkpointing)
     if p.compile:
         apply_compile(model.layers, p.compile_backend)
-    if p.sharding != "no_shard":
-        apply_fsdp(model, env.mesh, p)
+    strategy.apply_sharding(model)
     # Allocates only this rank's shards (on the host with CPU offload); the contents are garbage.
     model.to_empty(device=env.device)
     model.tie_weights()
     if init_weights and cfg.checkpoint.init_from:  # a resumed run gets its weights from the checkpoint
         load_pretrained(model, cfg)
     elif init_weights:
-        init_weights_from_rank0(model, lambda: initial_state(cfg))
+        strategy.apply_weights_from_rank0(model, lambda: initial_state(cfg))
     # Non-persistent buffers are neither broadcast nor checkpointed: every rank recomputes them.
     model.init_buffers()
-    if p.sharding == "no_shard":
-        model = wrap_ddp(model, env.device)
+    model = strategy.wrap(model)
     n_params = sum(p.numel() for p in model.parameters())
     logger.info("model %s: %.2fM parameters, sharding %s", cfg.model.preset, n_params / 1e6, p.sharding)
     return model
 
 
-def build_optimizer(cfg: Config, model: nn.Module):
+def build_optimizer(cfg: Config, model: nn.Module, strategy: Strategy):
     """AdamW over the sharded parameters, with linear warm-up and cosine decay.
 
     Built after sharding, so its state is created for (and sharded like) the DTensor parameters.
     With parallel.zero_optimizer (DDP), each rank keeps AdamW state only for the parameters it owns,
-    steps those and broadcasts them (ZeroRedundancyOptimizer).
+    steps those and broadcasts them (ZeroRedundancyOptimizer: the ZeroDDP strategy builds it).
     """
     t = cfg.train
     params = list(model.parameters())
@@ -137,10 +125,7 @@ def build_optimizer(cfg: Config, model: nn.Module):
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": t.weight_decay},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
-    if cfg.parallel.zero_optimizer:
-        optimizer = ZeroRedundancyOptimizer(groups, torch.optim.AdamW, lr=t.lr, betas=t.betas)
-    else:
-        optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=t.betas)
+    optimizer = strategy.build_optimizer(groups, lr=t.lr, betas=t.betas)
 
     def lr_factor(done: int) -> float:
         if done < t.warmup_steps:
@@ -153,12 +138,10 @@ def build_optimizer(cfg: Config, model: nn.Module):
 
 @dataclass
 class StepContext:
-    hsdp: bool
-    """Accumulate by skipping only the all-reduce across replicas."""
+    strategy: Strategy
+    """Skips gradient sync on all but the last micro-batch; DDP's autocast."""
     sync_every_microbatch: bool
     """Reduce gradients after every micro-batch rather than only the last."""
-    autocast_dtype: torch.dtype | None
-    """DDP computes in low precision under autocast; FSDP casts through its MixedPrecisionPolicy."""
     scaler: torch.amp.GradScaler | None
     """fp16 only: scales the loss so small gradients survive, skips steps that overflow."""
     max_grad_norm: float
@@ -179,9 +162,8 @@ def train_step(model: nn.Module, optimizer, scheduler, micro_batches, ctx: StepC
     """One optimizer step over this rank's micro-batches; gradients are reduced on the last one."""
     loss_sum = torch.zeros((), device=ctx.device)
     for i, (inputs, targets) in enumerate(micro_batches):
-        last = i == len(micro_batches) - 1
-        autocast = torch.autocast(ctx.device.type, ctx.autocast_dtype) if ctx.autocast_dtype else nullcontext()
-        with gradient_sync(model, last or ctx.sync_every_microbatch, hsdp=ctx.hsdp), autocast:
+        sync = i == len(micro_batches) - 1 or ctx.sync_every_microbatch
+        with ctx.strategy.gradient_sync(model, sync), ctx.strategy.autocast():
             logits = model(inputs)  # model(x), never model.forward(x): FSDP hooks live in __call__
             # Each micro-batch contributes mean/len, so the sum is this rank's mean; FSDP and DDP
             # average over ranks, so gradients are those of the global-batch mean.
@@ -245,27 +227,26 @@ def validate(
 
 def build_step_context(cfg: Config, env: DistEnv) -> StepContext:
     p = cfg.parallel
-    low_precision = DTYPES[p.mixed_precision] if p.mixed_precision != "fp32" else None
     return StepContext(
-        hsdp=p.sharding == "hybrid",
+        strategy=env.strategy,
         sync_every_microbatch=p.grad_sync_every_microbatch,
-        autocast_dtype=low_precision if p.sharding == "no_shard" else None,
         scaler=torch.amp.GradScaler(env.device.type) if p.mixed_precision == "fp16" else None,
         max_grad_norm=cfg.train.max_grad_norm,
         device=env.device,
     )
 
 
-def build_join(cfg: Config, model: nn.Module, optimizer, control: LoopControl, joining: bool):
+def build_join(
+    cfg: Config, strategy: Strategy, model: nn.Module, optimizer, control: LoopControl, joining: bool
+) -> AbstractContextManager:
     """Join for DDP ranks whose data may run out (data.uneven_inputs=join); a no-op context otherwise.
 
-    The joinables are listed in the order of each step's collectives: DDP's gradient all-reduce,
-    ZeRO's parameter broadcast, then the loop's own.
+    The joinables are listed in the order of each step's collectives: the strategy's (DDP's
+    gradient all-reduce, ZeRO's parameter broadcast), then the loop's own.
     """
     if not joining:
         return nullcontext()
-    zero = isinstance(optimizer, ZeroRedundancyOptimizer)
-    joinables = [model, optimizer, control] if zero else [model, control]
+    joinables = [*strategy.joinables(model, optimizer), control]
     return Join(joinables, throw_on_early_termination=cfg.data.join_throw)
 
 
@@ -280,7 +261,7 @@ def build_metrics(cfg: Config, env: DistEnv, model: nn.Module, start_step: int) 
         start_step=start_step,
         tokens_per_step=cfg.train.global_batch_size * tokens,
         world_size=env.world_size,
-        flops_per_token=model_spec(cfg.model.name).flops_per_token(unwrap(model), cfg.model, tokens),
+        flops_per_token=model_spec(cfg.model.name).flops_per_token(env.strategy.unwrap(model), cfg.model, tokens),
         peak_tflops=peak_tflops(env.device, cfg.metrics.peak_tflops),
         device=env.device,
         rank=env.rank,
@@ -320,9 +301,9 @@ def main(argv: list[str] | None = None, *, faults: FaultHook | None = None) -> N
         )
         resume = checkpoint_to_evaluate(cfg, env.rank) if cfg.eval.only else ckpt.resume_path()
         model = build_model_meta(cfg, env, init_weights=resume is None)
-        optimizer, scheduler = build_optimizer(cfg, model)
+        optimizer, scheduler = build_optimizer(cfg, model, env.strategy)
         loader = build_loader(cfg, env.rank, env.world_size, env.device)
-        state = TrainState(model, optimizer, scheduler, loader, env.rank)
+        state = TrainState(model, optimizer, scheduler, loader, env.rank, env.strategy)
         start = step = checkpoint_load(ckpt, state, resume)
         held_out = build_held_out(cfg, env.rank, env.world_size, env.device)
         if cfg.eval.only:  # score the checkpoint and stop, writing nothing
@@ -334,7 +315,7 @@ def main(argv: list[str] | None = None, *, faults: FaultHook | None = None) -> N
         joining = cfg.data.uneven_inputs == "join" and loader.rank_sharded
         last = cfg.train.steps if joining else agree_on_steps(loader, cfg.train.steps, env.device)
         control = LoopControl(env.device, cfg.metrics.log_every, step)
-        with logging_redirect_tqdm(), build_join(cfg, model, optimizer, control, joining):
+        with logging_redirect_tqdm(), build_join(cfg, env.strategy, model, optimizer, control, joining):
             while step < last:
                 try:
                     batches = metrics.timed(loader.next_batches)

@@ -1,0 +1,249 @@
+"""The data-parallel strategy: FSDP2 (full, shard_grad_op, hybrid) or DDP (no_shard, optionally with ZeRO-1).
+
+build_strategy chooses one from the config, once; every block of train.py then asks it, instead
+of asking which mode it is in: how to shard or wrap the model, how to load rank 0's weights,
+how to skip gradient sync while accumulating, which optimizer to build, what goes into a
+checkpoint, and what Join must shadow.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.join import Joinable
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel
+
+from .config import ParallelConfig
+from .parallelize import DTYPES, apply_fsdp
+
+FullState = Callable[[], dict[str, torch.Tensor]]
+"""Builds the full model weights; called on rank 0 only."""
+
+
+class Strategy(ABC):
+    """What differs between the data-parallel modes; the defaults are the FSDP and plain-DDP behaviour."""
+
+    shards_parameters: ClassVar[bool]
+    """Each rank holds only a shard of every parameter (FSDP); DDP holds all of them."""
+
+    @abstractmethod
+    def apply_sharding(self, model: nn.Module) -> None:
+        """Prepare the model on the meta device, before its parameters are allocated."""
+
+    @abstractmethod
+    def apply_weights_from_rank0(self, model: nn.Module, full_state: FullState) -> None:
+        """Load the weights full_state() builds on rank 0 into the materialised model, on every rank.
+
+        The weights are then the same at any world size: DTensor random init depends on the
+        sharding, and on a CPU mesh it even repeats one shard on every rank. This is the FSDP2
+        replacement for FSDP1's sync_module_states.
+        """
+
+    @abstractmethod
+    def wrap(self, model: nn.Module) -> nn.Module:
+        """The module the training loop calls, once the model is materialised and initialised."""
+
+    @abstractmethod
+    def gradient_sync(self, model: nn.Module, enabled: bool) -> AbstractContextManager:
+        """A micro-batch's forward and backward in here reduce gradients only when `enabled`."""
+
+    def autocast(self) -> AbstractContextManager:
+        """Where the forward computes in low precision, if the strategy does not cast for itself."""
+        return nullcontext()
+
+    def build_optimizer(self, param_groups: list[dict], **hyper) -> torch.optim.Optimizer:
+        """AdamW over the parameters this rank updates."""
+        return torch.optim.AdamW(param_groups, **hyper)
+
+    def state_dict(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, saved_optim_keys: set[str] | None = None
+    ) -> tuple[dict, dict]:
+        """Model and optimizer state for a distributed checkpoint, keyed by parameter name.
+
+        torch's distributed state-dict API: sharded DTensors under FSDP, which DCP reshards on
+        load. `saved_optim_keys` (loading only) are the optimizer keys the checkpoint holds.
+        """
+        return get_state_dict(model, optimizer)
+
+    def load_state_dict(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, optim_state: dict
+    ) -> None:
+        """Install what DCP loaded into the dicts state_dict() gave it."""
+        set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+
+    @abstractmethod
+    def joinables(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> list[Joinable]:
+        """What Join must shadow for a rank whose data ran out, in the order of each step's collectives."""
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """The module that owns the architecture (its layers, its embeddings)."""
+        return model
+
+
+@dataclass(frozen=True)
+class FSDP(Strategy):
+    """FSDP2: every block, then the root, sharded over the mesh with fully_shard (parallelize.apply_fsdp)."""
+
+    mesh: DeviceMesh
+    cfg: ParallelConfig
+    hybrid: bool
+    """HSDP: a (replicate, shard) mesh; accumulation skips only the all-reduce across replicas."""
+
+    shards_parameters: ClassVar[bool] = True
+
+    def apply_sharding(self, model: nn.Module) -> None:
+        apply_fsdp(model, self.mesh, self.cfg)
+
+    def apply_weights_from_rank0(self, model: nn.Module, full_state: FullState) -> None:
+        state = full_state() if dist.get_rank() == 0 else {}
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_model_state_dict(model, state, options=options)
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        return model  # fully_shard has changed the modules in place
+
+    @contextmanager
+    def gradient_sync(self, model: nn.Module, enabled: bool) -> Iterator[None]:
+        if self.hybrid:
+            # Keep the reduce-scatter (gradients stay sharded, memory stays bounded) and skip only
+            # the all-reduce across replicas until the last micro-batch.
+            model.set_requires_all_reduce(enabled)
+        else:
+            model.set_requires_gradient_sync(enabled)
+        yield
+
+    def joinables(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> list[Joinable]:
+        raise ValueError("FSDP modules are not Joinable: data.uneven_inputs=join needs parallel.sharding=no_shard")
+
+
+@dataclass(frozen=True)
+class DDP(Strategy):
+    """no_shard: every rank holds everything; gradients are all-reduced in buckets."""
+
+    device: torch.device
+    autocast_dtype: torch.dtype | None
+    """DDP computes in low precision under autocast (FSDP casts through its MixedPrecisionPolicy)."""
+
+    shards_parameters: ClassVar[bool] = False
+
+    def apply_sharding(self, model: nn.Module) -> None:
+        pass  # nothing to shard: wrap() wraps the materialised model
+
+    def apply_weights_from_rank0(self, model: nn.Module, full_state: FullState) -> None:
+        if dist.get_rank() == 0:
+            # Not yet wrapped in DDP: its constructor broadcasts rank 0's parameters and buffers.
+            model.load_state_dict(full_state())
+
+    def wrap(self, model: nn.Module) -> DistributedDataParallel:
+        return DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type != "cpu" else None)
+
+    def gradient_sync(self, model: nn.Module, enabled: bool) -> AbstractContextManager:
+        return nullcontext() if enabled else model.no_sync()
+
+    def autocast(self) -> AbstractContextManager:
+        return torch.autocast(self.device.type, self.autocast_dtype) if self.autocast_dtype else nullcontext()
+
+    def joinables(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> list[Joinable]:
+        return [model]  # DDP's gradient all-reduce
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model.module  # DDP hides the model behind .module
+
+
+@dataclass(frozen=True)
+class ZeroDDP(DDP):
+    """DDP with ZeroRedundancyOptimizer (ZeRO-1).
+
+    Each rank keeps AdamW state only for the parameters it owns, steps those and broadcasts them.
+    """
+
+    def build_optimizer(self, param_groups: list[dict], **hyper) -> torch.optim.Optimizer:
+        return ZeroRedundancyOptimizer(param_groups, torch.optim.AdamW, **hyper)
+
+    def state_dict(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, saved_optim_keys: set[str] | None = None
+    ) -> tuple[dict, dict]:
+        return get_model_state_dict(model), zero_state_dict(self.unwrap(model), optimizer, saved_optim_keys)
+
+    def load_state_dict(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, optim_state: dict
+    ) -> None:
+        set_model_state_dict(model, model_state)
+        set_zero_state_dict(self.unwrap(model), optimizer, optim_state)
+
+    def joinables(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> list[Joinable]:
+        return [model, optimizer]  # DDP's gradient all-reduce, then ZeRO's parameter broadcast
+
+
+def build_strategy(cfg: ParallelConfig, mesh: DeviceMesh | None, device: torch.device) -> Strategy:
+    """The strategy parallel.sharding names: FSDP over `mesh`, or DDP (with ZeRO-1 if parallel.zero_optimizer)."""
+    if cfg.sharding != "no_shard":
+        return FSDP(mesh, cfg, hybrid=cfg.sharding == "hybrid")
+    autocast_dtype = DTYPES[cfg.mixed_precision] if cfg.mixed_precision != "fp32" else None
+    return (ZeroDDP if cfg.zero_optimizer else DDP)(device, autocast_dtype)
+
+
+def zero_state_dict(model: nn.Module, optimizer: ZeroRedundancyOptimizer, saved_optim_keys: set[str] | None) -> dict:
+    """ZeroRedundancyOptimizer's state in the layout of torch's distributed state-dict API.
+
+    Each rank holds AdamW state only for the parameters it owns, so it saves those, keyed by
+    parameter name; loading, it asks for the ones it owns now. The layout is get_state_dict's, so
+    a checkpoint moves between world sizes and between ZeRO and plain DDP. ZeRO's own
+    `consolidate_state_dict` would gather everything on one rank and key it by position instead.
+    `saved_optim_keys` (loading only) leaves out parameters with no saved state, as when fp16 has
+    skipped every step so far: they stay without state, as they were.
+    """
+    names = _parameter_names(model)
+    if saved_optim_keys is None:  # saving: the state this rank holds
+        state = {names[param]: values for param, values in optimizer.optim.state.items()}
+    else:  # loading: empty tensors of the right shape for DCP to fill, for the parameters this rank owns
+        owned = (param for group in optimizer.optim.param_groups for param in group["params"])
+        state = {
+            names[param]: {"step": torch.zeros((), dtype=torch.float32), "exp_avg": torch.zeros_like(param),
+                           "exp_avg_sq": torch.zeros_like(param)}
+            for param in owned
+            if f"state.{names[param]}.exp_avg" in saved_optim_keys
+        }  # fmt: skip
+    groups = [
+        {**{k: v for k, v in group.items() if k != "params"}, "params": [names[p] for p in group["params"]]}
+        for group in optimizer.param_groups
+    ]
+    return {"state": state, "param_groups": groups}
+
+
+def set_zero_state_dict(model: nn.Module, optimizer: ZeroRedundancyOptimizer, optim_state: dict) -> None:
+    """Install the state zero_state_dict() loaded; hyperparameters reach the local optimizer at its next step."""
+    params = {name: param for param, name in _parameter_names(model).items()}
+    for name, values in optim_state["state"].items():
+        optimizer.optim.state[params[name]] = values
+    for group, saved in zip(optimizer.param_groups, optim_state["param_groups"], strict=True):
+        group.update({k: v for k, v in saved.items() if k != "params"})
+
+
+def _parameter_names(model: nn.Module) -> dict[nn.Parameter, str]:
+    """Parameter -> the name get_state_dict uses: its state-dict key, the first one for a tied weight.
+
+    Not named_parameters(): that keeps the wrappers' own components (activation checkpointing adds
+    `_checkpoint_wrapped_module.`), which state-dict hooks remove. `model` is unwrapped from DDP.
+    """
+    names: dict[nn.Parameter, str] = {}
+    for key, value in model.state_dict(keep_vars=True).items():
+        if isinstance(value, nn.Parameter):
+            names.setdefault(value, key)
+    return names
