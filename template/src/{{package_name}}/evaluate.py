@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable
-from contextlib import nullcontext
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,11 +53,12 @@ def evaluate(
     model: nn.Module,
     batches: Iterable[list[Batch]],
     device: torch.device,
-    autocast_dtype: torch.dtype | None = None,
+    autocast: Callable[[], AbstractContextManager] = nullcontext,
 ) -> EvalResult:
     """Score every micro-batch of `batches` (each step's list), summed over ranks; call it on every rank.
 
     Every rank must pass the same number of batches: with FSDP each forward all-gathers.
+    `autocast` is the strategy's: DDP computes in low precision under autocast, FSDP casts itself.
     """
     started = time.perf_counter()
     was_training = model.training
@@ -68,8 +69,7 @@ def evaluate(
         with torch.no_grad():
             for micro_batches in batches:
                 for inputs, targets in micro_batches:
-                    autocast = torch.autocast(device.type, autocast_dtype) if autocast_dtype else nullcontext()
-                    with autocast:
+                    with autocast():
                         logits = model(inputs).flatten(0, -2).float()  # model(x): FSDP's hooks live in __call__
                     classifier, flat = targets.ndim == 1, targets.flatten()
                     totals[0] += F.cross_entropy(logits, flat, reduction="sum").double()

@@ -217,7 +217,7 @@ def validate(
     random draws, and the training loader keeps its position. Without metrics (--eval-only)
     rank 0 prints the result as one JSON line and nothing is written.
     """
-    result = evaluate(model, held_out, ctx.device, ctx.autocast_dtype)
+    result = evaluate(model, held_out, ctx.device, ctx.strategy.autocast)
     if metrics is not None:
         metrics.log_eval(step, result)
     elif dist.get_rank() == 0:
