@@ -119,7 +119,8 @@ class RenameTable:
             source, target = (ours, theirs) if to_hf else (theirs, ours)
             pattern = re.escape(source)
             for field, regex in self.fields:
-                pattern = pattern.replace(re.escape(f"{{{field}}}"), f"(?P<{field}>{regex})")
+                placeholder = re.escape("{" + field + "}")
+                pattern = pattern.replace(placeholder, f"(?P<{field}>{regex})")
             if match := re.fullmatch(pattern, name):
                 return target.format(**match.groupdict())
         raise ValueError(f"no {'Hugging Face' if to_hf else 'repo'} name for parameter {name!r}")
