@@ -45,9 +45,9 @@ def shared_keys(model: torch.nn.Module) -> dict[str, str]:
     return aliases
 
 
-def stored_names(cfg: ModelConfig, fmt: str) -> dict[str, str]:
+def stored_names(cfg: ModelConfig, fmt: str, model: torch.nn.Module | None = None) -> dict[str, str]:
     """This repo's parameter name -> its name in `fmt` files (safetensors or hf); tied aliases left out."""
-    model, rename = build_model_on_meta(cfg), _renamer(cfg, fmt)
+    model, rename = model or build_model_on_meta(cfg), _renamer(cfg, fmt)
     aliases = shared_keys(model)
     return {k: rename(k) for k in model.state_dict() if k not in aliases}
 
@@ -88,7 +88,7 @@ def match_names(cfg: ModelConfig, directory: Path) -> dict[str, str]:
     stored, aliases, expected = stored_shapes(directory), shared_keys(model), model.state_dict()
     misfits = []
     for fmt in ("safetensors", "hf") if model_spec(cfg.name).hf else ("safetensors",):
-        names, rename = stored_names(cfg, fmt), _renamer(cfg, fmt)
+        names, rename = stored_names(cfg, fmt, model), _renamer(cfg, fmt)  # one meta build for both formats
         # A tied head may be stored besides its embedding; it is then ignored.
         missing = set(names.values()) - set(stored)
         extra = set(stored) - set(names.values()) - {rename(a) for a in aliases}
