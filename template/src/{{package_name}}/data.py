@@ -457,7 +457,7 @@ def read_chats(jsonl: Path) -> list[tuple[str, list[dict]]]:
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
+                row = json.loads(line.rstrip("\r\n"))
             except json.JSONDecodeError as error:
                 raise UsageError(f"{where}: not JSON ({error.msg} at column {error.colno})") from None
             chats.append((where, _messages(row, where)))
