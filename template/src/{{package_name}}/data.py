@@ -509,8 +509,8 @@ def encode_chat(tok, messages: list[dict], where: str) -> tuple[list[int], list[
             if not (through.startswith(before) and text.startswith(through)):
                 raise UsageError(
                     f"{where}: the chat template renders message {i + 1} (assistant) differently once the chat goes "
-                    "on (it rewrites earlier turns), so that turn's tokens cannot be found: give each reply a row "
-                    "of its own, or use a template that leaves earlier turns as they were"
+                    "on (it rewrites earlier turns), so that turn's tokens cannot be found: use a chat template that "
+                    "renders earlier turns as they are (TROUBLESHOOTING.md)"
                 )
             spans.append((len(before), len(through)))
     encoded = tok(text, add_special_tokens=False, return_offsets_mapping=True)
