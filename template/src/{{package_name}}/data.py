@@ -442,6 +442,10 @@ def prepare(
     return counts[0]
 
 
+ROW_FORMS = '{"messages": [{"role": ..., "content": ...}, ...]} or {"prompt": ..., "response": ...}'
+"""The rows of a JSONL file of chats that `data prepare --jsonl` reads."""
+
+
 def read_chats(jsonl: Path) -> list[tuple[str, list[dict]]]:
     """(file:line, messages) for every row of a JSONL file of chats; a bad row is refused by its file:line.
 
@@ -474,10 +478,7 @@ def _messages(row, where: str) -> list[dict]:
     messages = row.get("messages") if isinstance(row, dict) else None
     if not isinstance(messages, list) or not messages:
         got = f"keys {sorted(row)}" if isinstance(row, dict) else f"a JSON {type(row).__name__}"
-        raise UsageError(
-            f'{where}: expected {{"messages": [{{"role": ..., "content": ...}}, ...]}} or {{"prompt": ..., '
-            f'"response": ...}} with strings for values, got {got}'
-        )
+        raise UsageError(f"{where}: expected {ROW_FORMS} with strings for values, got {got}")
     for i, message in enumerate(messages, 1):
         if not (isinstance(message, dict) and all(isinstance(message.get(k), str) for k in ("role", "content"))):
             got = json.dumps(message)[:80]
