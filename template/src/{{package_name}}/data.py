@@ -529,12 +529,13 @@ def prepare_sft(jsonl: Path, tokenizer: Path, out: Path, val_fraction: float = 0
 
     Every row is read and checked before anything is written.
     """
+    chats = read_chats(jsonl)  # before the tokenizer loads: a bad row is refused at once
     tok = _tokenizer(tokenizer)
     if not getattr(tok, "chat_template", None):
         raise UsageError(f"--tokenizer {tokenizer} has no chat template (chat_template in tokenizer_config.json)")
     if not tok.is_fast:
         raise UsageError(f"--tokenizer {tokenizer} is not a fast tokenizer (tokenizer.json): its offsets are needed")
-    examples = [encode_chat(tok, messages, where) for where, messages in read_chats(jsonl)]
+    examples = [encode_chat(tok, messages, where) for where, messages in chats]
     held_out: set[int] = set()
     if val_fraction > 0:
         count = math.ceil(len(examples) * val_fraction)
