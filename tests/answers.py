@@ -42,10 +42,11 @@ MATRIX = {
         "init_method": "file",
         "ci_workflow": False,
     },
-    # Intel GPUs, a transformers Mistral, launched on Kubernetes only.
+    # Intel GPUs, a transformers Mistral from a local dataset, launched on Kubernetes only.
     "xpu": {
         "model_type": "hf_causal_lm",
         "hf_architecture": "mistral",
+        "data_source": "hf_dataset",
         "accelerator": "xpu",
         "gpus_per_node": 4,
         "model_size": "3b",
@@ -54,8 +55,8 @@ MATRIX = {
     },
     # Four Blackwell nodes on InfiniBand, Llama 70B.
     "blackwell_70b": {"gpu_arch": "blackwell", "num_nodes": 4, "inter_node_link": "infiniband", "model_size": "70b"},
-    # A transformers Qwen2 of the 8B shape, from a local dataset: on two 48 GB GPUs it only fits
-    # with CPU offload (the planner's pick).
+    # A transformers Qwen2 of the 8B shape, fine-tuned on chats (sft): on two 48 GB GPUs it only
+    # fits with CPU offload (the planner's pick).
     "ada_offload": {
         "gpu_arch": "ada",
         "gpus_per_node": 2,
@@ -63,7 +64,7 @@ MATRIX = {
         "model_size": "8b",
         "model_type": "hf_causal_lm",
         "hf_architecture": "qwen2",
-        "data_source": "hf_dataset",
+        "data_source": "sft",
         "float8": "tensorwise",
     },
     # DDP over MPI on Turing (MPI lacks reduce_scatter, so only no_shard is allowed).
@@ -131,3 +132,7 @@ STRATEGIES = ["cpu_debug"]
 # FLOAT8: float8 training of a tiny model on CPU ranks (emulated matmuls; about a minute), which
 # the FULL renders leave out. Every render has the code; the conversion tests run in-process.
 FLOAT8 = ["cpu_debug"]
+# SFT: chats prepared with a tokenizer built in the test, the loss masked to the replies, 2 ranks
+# against one process (about a minute), which the FULL renders leave out. Every decoder render
+# has the code and the test file; this one is a transformers model fine-tuned on chats.
+SFT = ["ada_offload"]
