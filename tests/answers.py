@@ -123,7 +123,8 @@ SMOKE = ["default", "cpu_debug", "ampere_two_nodes_ethernet", "volta_pcie_fp16",
          "cpu_ddp_bf16_compile", "cpu_hybrid_fp16_offload"]  # fmt: skip
 # FULL: everything else too: checkpoints (atomicity, damage, resharding, preemption, export),
 # data, uneven inputs, error messages, observability, hardware detection. The default render
-# is what `copier copy --defaults` gives a user, so its whole suite runs.
+# is what `copier copy --defaults` gives a user, so its whole suite runs; the second adds what
+# changes with hybrid sharding, tcp rendezvous and async checkpoints (test_generated.ONCE_*).
 FULL = ["default", "ampere_two_nodes_ethernet"]
 # FAULTS: ranks killed at ten points under torchrun --max-restarts (needs env:// rendezvous).
 FAULTS = ["cpu_debug"]
