@@ -312,6 +312,7 @@ class CheckpointManager:
                 "position reshard; per-rank %s do not and are not restored",
                 path, saved_world, self.world_size, per_rank,
             )  # fmt: skip
+        check_finetune_matches(path, state.model)
         state.saved_keys = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
         dcp.load({CHECKPOINT_KEY: state}, checkpoint_id=path, planner=WeightsOnlyLoadPlanner())
         state.restore_per_rank, state.saved_keys = True, None
@@ -333,6 +334,24 @@ def check_resume(cfg: CheckpointConfig) -> None:
             f"checkpoint.resume={cfg.resume}: {problem}; pass a complete checkpoint directory, or "
             "checkpoint.resume=auto to take the newest complete one in the run directory"
         )
+
+
+def check_finetune_matches(path: Path, model: torch.nn.Module) -> None:
+    """Refuse a checkpoint trained with LoRA adapters into a model without them, or the other way round.
+
+    DCP would load the weights a model asks for and ignore the rest: a LoRA checkpoint read into a
+    plain model would silently lose its adapters.
+    """
+    saved = any(key.endswith(".lora_a") for key in dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+    here = any(name.endswith(".lora_a") for name, _ in model.named_parameters())
+    if saved != here:
+        trained, now = ("lora", "full") if saved else ("full", "lora")
+        raise ValueError(
+            f"{path} was trained with finetune.method={trained}, and this config has finetune.method={now}. "
+            + ("Pass the config it was trained with" if saved else
+               f"To fine-tune its weights with LoRA, convert it (python -m {__package__}.convert --checkpoint "
+               f"{path} --to safetensors --out DIR) and start from checkpoint.init_from=DIR in a new run directory")
+        )  # fmt: skip
 
 
 def verify(path: Path) -> str:
