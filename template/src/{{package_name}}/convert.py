@@ -35,7 +35,11 @@ def load_checkpoint(path: Path, cfg: ModelConfig, finetune: FinetuneConfig | Non
     with torch.device("cpu"):
         model = build_model(cfg, finetune)
     check_finetune_matches(path, model)
-    state = {CHECKPOINT_KEY: {"model": model.state_dict()}}
+    # In the dtypes they were saved in (LoRA's frozen weights may be bf16), so merging is the run's own.
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    prefix = f"{CHECKPOINT_KEY}.model."
+    weights = {k: v.to(saved[prefix + k].properties.dtype) for k, v in model.state_dict().items()}
+    state = {CHECKPOINT_KEY: {"model": weights}}
     dcp.load(state, checkpoint_id=path, planner=WeightsOnlyLoadPlanner(), no_dist=True)
     weights = state[CHECKPOINT_KEY]["model"]
     if finetune is not None and finetune.method == "lora":

@@ -39,9 +39,10 @@ dtype of p bytes and T = micro_batch_size * seq_len tokens, bytes per rank are:
 With LoRA (finetune.method=lora, models/lora.py) the P parameters are frozen and A adapter
 parameters train, Ab = A / L per block: r (in + out) for each adapted linear layer of rank r, so
 r (9h + 2kv + 3f) per block with every layer adapted (r (6h + 2kv) attention only, r (3h + 3f)
-feed-forward only). Then params = 4 (P + A) / G (the frozen weights stay fp32 shards, without
-gradients or optimizer state), grads = 4A / G, optim = 8A / G; gathered and gradbuf count each
-block's Pb + Ab parameters and only Ab gradients. Per token per block, `none` keeps
+feed-forward only). Then params = (p P + 4A) / G (the frozen weights are stored in the compute
+dtype, without gradients or optimizer state; only the adapters keep fp32 master weights),
+grads = 4A / G, optim = 8A / G; gathered and gradbuf count each block's Pb + Ab parameters and
+only Ab gradients (DDP's autocast copies only the adapters: A p). Per token per block, `none` keeps
 8h + p (5h + 2kv + 4f - d + n r): a norm with a frozen weight keeps only its fp32 input, each of
 the n adapted layers keeps its rank-r intermediate, and a frozen layer keeps no input, so d drops
 what only frozen layers needed (h + f with attention-only adapters: the feed-forward's two inputs;
@@ -118,7 +119,9 @@ def memory_plan(
     trained, trained_block = (s.L * adapters, adapters) if lora_rank else (s.P, s.Pb)
     block = block_gather_bytes(s, p, sharding, float8, adapters)
     group = shard_group(sharding, gpus_per_node, num_nodes)
-    params, grads, optim = 4 * (s.P + s.L * adapters) / group, 4 * trained / group, 8 * trained / group
+    # LoRA stores the frozen weights in the compute dtype (models/lora.py's apply_frozen_dtype).
+    stored = p * s.P + 4 * s.L * adapters if lora_rank else 4 * s.P
+    params, grads, optim = stored / group, 4 * trained / group, 8 * trained / group
     if sharding == "no_shard" and zero_optimizer:
         optim = 8 * trained / (gpus_per_node * num_nodes)
     if grad_accum == 1 or (cpu_offload and (sync_every_microbatch or sharding == "hybrid")):
@@ -130,7 +133,7 @@ def memory_plan(
     if sharding == "shard_grad_op":
         gathered = s.L * block + s.Pn * p
     elif sharding == "no_shard":
-        gathered = (s.P + s.L * adapters) * p if p < 4 else 0
+        gathered = trained * p if p < 4 else 0  # autocast's copies of the fp32 parameters
     else:
         gathered = (1 + max(prefetch_blocks, 1)) * block + s.Pn * p
     gradbuf = 0 if sharding == "no_shard" else trained_block * (p + 4)

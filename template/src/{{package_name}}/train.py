@@ -51,8 +51,8 @@ from .distributed import (
 from .evaluate import EvalResult, check_eval_only, checkpoint_to_evaluate, evaluate
 from .metrics import MetricsLogger, init_logging, peak_tflops
 from .models import ModelShape, build_model, model_spec
-from .models.lora import frozen_matmul_params, lora_rank
-from .parallelize import apply_ac, apply_compile, apply_float8, check_float8
+from .models.lora import apply_frozen_dtype, frozen_matmul_params, lora_rank
+from .parallelize import DTYPES, apply_ac, apply_compile, apply_float8, check_float8
 from .plan import check_plan
 from .strategy import Strategy, build_strategy
 from .weights import apply_initial_weights, check_init_from, export_weights
@@ -94,6 +94,8 @@ def build_model_meta(cfg: Config, env: DistEnv, *, init_weights: bool) -> nn.Mod
     with torch.device("meta"):
         model = build_model(cfg.model, cfg.finetune)
     p, strategy = cfg.parallel, env.strategy
+    if cfg.finetune.method == "lora":
+        apply_frozen_dtype(model, DTYPES[p.mixed_precision])
     apply_float8(model.layers, p.float8, fsdp=strategy.shards_parameters)
     apply_ac(model.layers, p.activation_checkpointing, adapter_rank=lora_rank(cfg.finetune))
     if p.compile:

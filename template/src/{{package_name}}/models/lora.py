@@ -8,8 +8,9 @@ step; every other parameter (embeddings, norms, head) is frozen too. It runs on 
 before activation checkpointing, compile and sharding, so those see the adapted layers, and FSDP
 keeps each block's frozen and trainable parameters in one group (it reduces only the gradients
 that exist). `merge_adapters` folds the adapters into plain weights, W + (alpha / rank) B A, for
-exports. Plain torch: nothing here imports torch.distributed (sharded tensors merge through
-their own operators).
+exports. With bf16 or fp16 compute, `apply_frozen_dtype` stores the frozen weights in that
+dtype: only the adapters need fp32 master weights. Plain torch: nothing here imports
+torch.distributed (sharded tensors merge through their own operators).
 """
 
 from __future__ import annotations
@@ -92,6 +93,22 @@ def apply_lora(model: nn.Module, cfg: FinetuneConfig, layout: LoraLayout | None)
                 block.get_submodule(parent).register_module(child, LoRALinear(module, cfg.lora_rank, cfg.lora_alpha))
 
 
+def apply_frozen_dtype(model: nn.Module, dtype: torch.dtype) -> None:
+    """Store the frozen parameters in `dtype`, the compute dtype their forward casts them to anyway.
+
+    Trained parameters stay as they are (fp32: the optimizer steps on them). A frozen weight needs
+    no fp32 master copy, so in bf16 it takes half the memory, checkpoint and export bytes. Tied
+    weights stay tied (one new parameter per old one).
+    """
+    cast: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if not param.requires_grad and param.dtype != dtype:
+                if id(param) not in cast:
+                    cast[id(param)] = nn.Parameter(param.detach().to(dtype), requires_grad=False)
+                setattr(module, name, cast[id(param)])
+
+
 def adapters(model: nn.Module) -> list[tuple[str, LoRALinear]]:
     """The model's LoRA layers by name, in module order."""
     return [(name, module) for name, module in model.named_modules() if isinstance(module, LoRALinear)]
@@ -140,5 +157,6 @@ def merge_adapters(state: dict[str, torch.Tensor], scale: float) -> dict[str, to
         if key.endswith(".lora_a"):
             prefix = key.removesuffix(".lora_a")
             weight, a, b = state[f"{prefix}.weight"], state[key], state[f"{prefix}.lora_b"]
-            merged[f"{prefix}.weight"] = weight + scale * (b @ a)
+            # In the adapters' fp32; the sum keeps the weight's dtype (frozen weights may be bf16).
+            merged[f"{prefix}.weight"] = (weight + scale * (b @ a)).to(weight.dtype)
     return merged
