@@ -31,7 +31,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.tensor import DTensor
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from .checkpoint import CheckpointManager, FaultHook, TrainState, check_resume
+from .checkpoint import CheckpointManager, FaultHook, TrainState, check_resume, check_resume_finetune
 from .config import EXIT_USAGE, Config, UsageError, load_config, reports_errors
 from .data import HeldOut, agree_on_steps, build_held_out, build_loader, check_data
 from .distributed import (
@@ -72,6 +72,7 @@ def init_distributed(cfg: Config) -> DistEnv:
     check_plan(cfg, rdzv.world_size, device)
     check_data(cfg, rdzv.rank, rdzv.world_size)
     check_resume(cfg.checkpoint)
+    check_resume_finetune(cfg)
     check_init_from(cfg)
     check_eval_only(cfg)
     check_float8(cfg.parallel.float8, device)

@@ -144,8 +144,13 @@ def apply_initial_weights(model: torch.nn.Module, cfg: Config, strategy: Strateg
         if cfg.finetune.method == "lora":
             meta = build_model_on_meta(cfg.model, cfg.finetune)  # the adapters' state-dict names, unwrapped
             strategy.apply_weights_from_rank0(model, lambda: initial_adapters(meta, cfg.train.seed), strict=False)
-    else:
-        strategy.apply_weights_from_rank0(model, lambda: initial_state(cfg))
+        return
+    if cfg.finetune.method == "lora":
+        logger.warning(
+            "finetune.method=lora without checkpoint.init_from: the adapters train on randomly initialised "
+            "weights, which stay random; set checkpoint.init_from to the pretrained weights to fine-tune"
+        )
+    strategy.apply_weights_from_rank0(model, lambda: initial_state(cfg))
 
 
 def file_index(state: dict[str, torch.Tensor], max_bytes: float) -> dict[str, int]:
