@@ -102,6 +102,9 @@ MATRIX = {
         "checkpoint_format": "dcp_async",
         "init_method": "file",
     },
+    # LoRA fine-tuning of Llama 3.1 8B on one H100: frozen bf16 weights and adapters fit without
+    # offload (full fine-tuning needs it here), so the planner picks DDP on the one GPU.
+    "lora_8b_one_gpu": {"finetune": "lora", "gpus_per_node": 1},
     # gloo on CUDA (slow but valid per the capability table).
     "cuda_gloo": {
         "gpu_arch": "ampere",
@@ -131,3 +134,7 @@ STRATEGIES = ["cpu_debug"]
 # FLOAT8: float8 training of a tiny model on CPU ranks (emulated matmuls; about a minute), which
 # the FULL renders leave out. Every render has the code; the conversion tests run in-process.
 FLOAT8 = ["cpu_debug"]
+# LORA: LoRA fine-tuning from a Hugging Face directory (tests/test_lora.py, four 8-step launches),
+# which the FULL renders leave out. Every llama and hf_causal_lm render has the code and the test
+# (with --finetune.method lora on its debug config); lora_8b_one_gpu renders the answer itself.
+LORA = ["cpu_debug"]
