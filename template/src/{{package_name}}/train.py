@@ -129,10 +129,12 @@ def build_optimizer(cfg: Config, model: nn.Module, strategy: Strategy):
     """
     t = cfg.train
     params = [p for p in model.parameters() if p.requires_grad]
+    # LoRA's adapters are matrices: decay pulls their update towards the pretrained weights.
     groups = [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": t.weight_decay},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
+    groups = [group for group in groups if group["params"]]  # LoRA trains no vectors
     optimizer = strategy.build_optimizer(groups, lr=t.lr, betas=t.betas)
 
     def lr_factor(done: int) -> float:

@@ -52,9 +52,6 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias) + self.scale * F.linear(F.linear(x, self.lora_a), self.lora_b)
 
-    def init_adapters(self, generator: torch.Generator | None = None) -> None:
-        init_adapter(self.lora_a, self.lora_b, generator)
-
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, rank={self.lora_a.shape[0]}, scale={self.scale:g}"
 
@@ -77,8 +74,8 @@ def targeted(name: str, targets: str, layout: LoraLayout) -> bool:
 def apply_lora(model: nn.Module, cfg: FinetuneConfig, layout: LoraLayout | None) -> None:
     """Freeze every parameter, and give the targeted linear layers of each block a trainable adapter.
 
-    A no-op for finetune.method=full. The adapters are uninitialised (on the meta device there is
-    nothing to initialise): init_adapters, or a checkpoint, fills them.
+    A no-op for finetune.method=full. The adapters are left uninitialised (on the meta device there
+    is nothing to initialise): initial_adapters' values, or a checkpoint, fill them.
     """
     if cfg.method != "lora":
         return
