@@ -94,7 +94,7 @@ def lora_lines(cfg: Config, unit: float, unit_name: str) -> list[str]:
     adapters = s.L * adapter_params(s, **lora_of(cfg))
     lora, full = plan_for(cfg).total, plan_for(cfg, finetune="full").total
     return [
-        f"finetune: lora, rank {f.lora_rank} on the {f.lora_targets} linear layers: {adapters / 1e6:.2f}M trained "
+        f"finetune: lora, rank {f.lora_rank}, lora_targets {f.lora_targets}: {adapters / 1e6:.2f}M trained "
         f"parameters ({adapters / s.P:.2%}); peak {lora / unit:.1f} {unit_name} against {full / unit:.1f} with full "
         "fine-tuning"
     ]
