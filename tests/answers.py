@@ -103,6 +103,9 @@ MATRIX = {
         "checkpoint_format": "dcp_async",
         "init_method": "file",
     },
+    # LoRA fine-tuning of Llama 3.1 8B on one H100: frozen bf16 weights and adapters fit without
+    # offload (full fine-tuning needs it here), so the planner picks DDP on the one GPU.
+    "lora_8b_one_gpu": {"finetune": "lora", "gpus_per_node": 1},
     # gloo on CUDA (slow but valid per the capability table).
     "cuda_gloo": {
         "gpu_arch": "ampere",
@@ -138,3 +141,7 @@ FLOAT8 = ["cpu_debug"]
 # against one process (about a minute), which the FULL renders leave out. Every decoder render
 # has the code and the test file; this one is a transformers model fine-tuned on chats.
 SFT = ["ada_offload"]
+# LORA: LoRA fine-tuning from a Hugging Face directory (tests/test_lora.py, four 8-step launches),
+# which the FULL renders leave out. Every llama and hf_causal_lm render has the code and the test
+# (with --finetune.method lora on its debug config); lora_8b_one_gpu renders the answer itself.
+LORA = ["cpu_debug"]

@@ -32,6 +32,7 @@ CHANGE = {
     "inter_node_link": ({}, "ethernet"),
     "model_type": ({"checkpoint_export": "safetensors"}, "custom"),
     "hf_architecture": ({"model_type": "hf_causal_lm"}, "qwen2"),
+    "finetune": ({}, "lora"),
     "data_source": ({}, "memmap"),
     "logging": ({}, "wandb"),
     "model_size": ({}, "3b"),

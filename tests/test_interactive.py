@@ -209,6 +209,10 @@ def test_impossible_picks_on_cpu_ranks_and_for_an_image_model(session, tmp_path)
     run_to(s, "model_type", {})
     s.pick("A Vision Transformer")
     s.next_prompt()
+    assert s.current.name == "finetune"
+    assert "llama or hf_causal_lm, and vit has none: choose full" in pick_disabled(s, "lora")
+    s.accept()
+    s.next_prompt()
     assert "an image-model preset" not in s.current.choice("vit-debug").disabled
     assert "a decoder preset" in pick_disabled(s, "8b")
     s.pick("vit-debug")

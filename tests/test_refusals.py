@@ -70,6 +70,9 @@ REFUSED = {
     "sequence_too_long": ({"model_size": "debug", "seq_len": 128}, "seq_len", "max_seq_len"),
     "unknown_size": ({"model_size": "13b"}, "model_size", "13b"),
     "chats_for_an_image_model": ({"model_type": "vit", "data_source": "sft"}, "data_source", "token data"),
+    "lora_for_vit": ({"model_type": "vit", "finetune": "lora"}, "finetune", "llama or hf_causal_lm, and vit has none"),
+    "lora_for_custom": ({"model_type": "custom", "finetune": "lora"}, "finetune", "choose full"),
+    "lora_with_float8": ({"finetune": "lora", "float8": "tensorwise"}, "float8", "with finetune=lora choose none"),
 }
 
 
@@ -110,6 +113,8 @@ HARDWARE = [
     {"gpu_arch": "volta", "gpus_per_node": 1, "gpu_memory_gb": 16, "mixed_precision": "fp32"},
     {"num_nodes": 2, "inter_node_link": "ethernet", "gpu_memory_gb": 24, "model_type": "hf_causal_lm"},
     {"accelerator": "xpu", "gpus_per_node": 2, "gpu_memory_gb": 16, "model_type": "vit"},
+    {"gpus_per_node": 1, "gpu_memory_gb": 24, "finetune": "lora"},
+    {"gpus_per_node": 2, "gpu_memory_gb": 40, "model_type": "hf_causal_lm", "finetune": "lora"},
 ]
 
 

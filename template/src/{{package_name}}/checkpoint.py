@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_map
 
-from .config import CheckpointConfig, UsageError
+from .config import CheckpointConfig, Config, UsageError
 from .strategy import Strategy
 
 logger = logging.getLogger(__name__)
@@ -312,6 +312,7 @@ class CheckpointManager:
                 "position reshard; per-rank %s do not and are not restored",
                 path, saved_world, self.world_size, per_rank,
             )  # fmt: skip
+        check_finetune_matches(path, state.model)
         state.saved_keys = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
         dcp.load({CHECKPOINT_KEY: state}, checkpoint_id=path, planner=WeightsOnlyLoadPlanner())
         state.restore_per_rank, state.saved_keys = True, None
@@ -333,6 +334,48 @@ def check_resume(cfg: CheckpointConfig) -> None:
             f"checkpoint.resume={cfg.resume}: {problem}; pass a complete checkpoint directory, or "
             "checkpoint.resume=auto to take the newest complete one in the run directory"
         )
+
+
+def finetune_mismatch(path: Path, *, lora: bool) -> str:
+    """Empty if the checkpoint at `path` holds LoRA adapters exactly when `lora`; else why it cannot be loaded.
+
+    DCP loads the weights a model asks for and ignores the rest: a LoRA checkpoint read into a
+    plain model would silently lose its adapters.
+    """
+    saved = any(key.endswith(".lora_a") for key in dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+    if saved == lora:
+        return ""
+    trained, now = ("lora", "full") if saved else ("full", "lora")
+    fix = ("pass the config it was trained with" if saved else
+           f"to fine-tune its weights with LoRA, convert it (python -m {__package__}.convert --checkpoint {path} "
+           "--to safetensors --out DIR) and start a new run directory from checkpoint.init_from=DIR")  # fmt: skip
+    return f"{path} was trained with finetune.method={trained}, and this config has finetune.method={now}: {fix}"
+
+
+def check_finetune_matches(path: Path, model: torch.nn.Module) -> None:
+    """Refuse a checkpoint trained with LoRA adapters into a model without them, or the other way round."""
+    problem = finetune_mismatch(path, lora=any(name.endswith(".lora_a") for name, _ in model.named_parameters()))
+    if problem:
+        raise ValueError(problem)
+
+
+def check_resume_finetune(cfg: Config) -> None:
+    """Refuse, before the process group starts, to resume or evaluate a checkpoint of the other finetune.method.
+
+    The checkpoint is the one the run would load: checkpoint.resume's, or with auto the newest
+    complete one in the run directory.
+    """
+    if cfg.checkpoint.resume == "never":
+        return
+    if cfg.checkpoint.resume != "auto":
+        path = Path(cfg.checkpoint.resume)
+    elif steps := checkpoint_steps(Path(cfg.run_dir) / "checkpoints"):
+        path = steps[max(steps)]
+    else:
+        return
+    problem = finetune_mismatch(path, lora=cfg.finetune.method == "lora")
+    if problem:
+        raise UsageError(f"checkpoint.resume={cfg.checkpoint.resume}: {problem}")
 
 
 def verify(path: Path) -> str:

@@ -23,7 +23,7 @@ from typing import Literal
 
 import tyro
 
-from .presets import DEBUG_RUN, LLAMA_PRESETS, VIT_PRESETS
+from .presets import DEBUG_RUN, LLAMA_PRESETS, LORA, VIT_PRESETS
 
 # The defaults are the debug run's (configs/debug.toml), from presets.py.
 DEBUG, VIT_DEBUG = LLAMA_PRESETS["debug"], VIT_PRESETS["vit-debug"]
@@ -115,6 +115,18 @@ class TrainConfig:
     """Clip the global gradient norm to this value; 0 disables clipping (the norm is still logged)."""
     seed: int = 0
     """Seed for weight init and data order; the same seed gives the same run at any world size."""
+
+
+@dataclass
+class FinetuneConfig:
+    method: Literal["full", "lora"] = "full"
+    """full trains every weight; lora freezes them and trains low-rank adapters in the blocks (models/lora.py)."""
+    lora_rank: int = LORA["rank"]
+    """lora: rank r of each adapter (A is r x in, B is out x r): r (in + out) trained parameters per layer."""
+    lora_alpha: float = LORA["alpha"]
+    """lora: the adapters' output is scaled by lora_alpha / lora_rank."""
+    lora_targets: Literal["all", "attention", "mlp"] = LORA["targets"]
+    """lora: the blocks' linear layers that get adapters: all, attention (q, k, v, o) or mlp (feed-forward)."""
 
 
 @dataclass
@@ -255,6 +267,7 @@ class Config:
     """Directory for checkpoints and metrics of this run."""
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -336,6 +349,7 @@ class Config:
         require(c.export_file_gb > 0, f"checkpoint.export_file_gb={c.export_file_gb} must be positive")
         require(c.keep_last >= 1, f"checkpoint.keep_last={c.keep_last} must be at least 1")
         require(self.data.synthetic_branching >= 1, "data.synthetic_branching must be at least 1")
+        errors += self.finetune_errors()
         errors += self.eval_errors()
         require(self.metrics.log_every > 0, f"metrics.log_every={self.metrics.log_every} must be positive")
         window = self.metrics.profile_steps.split("-")
@@ -346,6 +360,39 @@ class Config:
         if errors:
             raise UsageError("invalid config:\n  " + "\n  ".join(errors))
         return self
+
+    def finetune_errors(self) -> list[str]:
+        """What stops finetune.method=lora with this model and these settings (models/lora.py)."""
+        f, m = self.finetune, self.model
+        if f.method != "lora":
+            return []
+        from .models import MODELS, ModelShape, model_spec
+
+        if m.name not in MODELS:
+            return []  # validate() names the unknown model
+        if model_spec(m.name).lora is None:
+            return [
+                f"finetune.method=lora: model.name={m.name} declares no LoRA layout (ModelSpec.lora in "
+                "models/spec.py says where a block's adapters go; the llama and hf_causal_lm models have one): "
+                "use finetune.method=full, or add one"
+            ]
+        errors = []
+        s = ModelShape.of(m)
+        widths = {"attention": min(s.h, s.kv), "mlp": min(s.h, s.f)}
+        narrowest = min(widths.values()) if f.lora_targets == "all" else widths[f.lora_targets]
+        if not 1 <= f.lora_rank <= narrowest:
+            errors.append(
+                f"finetune.lora_rank={f.lora_rank} must be between 1 and {narrowest}, the width of the narrowest "
+                f"layer it adapts (lora_targets={f.lora_targets}): a rank beyond that adds parameters, not capacity"
+            )
+        if f.lora_alpha <= 0:
+            errors.append(f"finetune.lora_alpha={f.lora_alpha} must be positive (adapters are scaled by alpha / rank)")
+        if self.parallel.float8 != "none":
+            errors.append(
+                f"finetune.method=lora with parallel.float8={self.parallel.float8}: float8 would replace the adapted "
+                "linear layers and drop their adapters; set parallel.float8=none"
+            )
+        return errors
 
     def eval_errors(self) -> list[str]:
         """What stops validation (eval.*) from working with this data; see data.build_held_out."""

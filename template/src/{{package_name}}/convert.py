@@ -4,7 +4,8 @@
         --checkpoint runs/debug/checkpoints/step_00000040 --to hf --out exported/
 
 `--to safetensors` and `--to hf` write the model weights as weights.py exports them (this repo's
-names, or a Hugging Face directory for models with a Hugging Face layout). `--to torch` writes
+names, or a Hugging Face directory for models with a Hugging Face layout; a LoRA checkpoint's
+adapters merged in, given the config it was trained with). `--to torch` writes
 the whole checkpoint, optimizer and all, for any model, as one torch.save file
 (`format_utils.dcp_to_torch_save`'s conversion, read weights-only): `exported/checkpoint.pt`.
 """
@@ -18,19 +19,32 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from .checkpoint import CHECKPOINT_KEY, WeightsOnlyLoadPlanner
-from .config import ModelConfig, load_config
+from .checkpoint import CHECKPOINT_KEY, WeightsOnlyLoadPlanner, check_finetune_matches
+from .config import FinetuneConfig, ModelConfig, load_config
 from .models import build_model
+from .models.lora import merge_adapters
 from .weights import save
 
 
-def load_checkpoint(path: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """The model weights of a distributed checkpoint, resharded into one process (no process group)."""
+def load_checkpoint(path: Path, cfg: ModelConfig, finetune: FinetuneConfig | None = None) -> dict[str, torch.Tensor]:
+    """The model weights of a distributed checkpoint, resharded into one process (no process group).
+
+    A LoRA checkpoint (`finetune` with method lora, as it was trained) comes back with its adapters
+    merged into plain weights under the base model's names.
+    """
     with torch.device("cpu"):
-        model = build_model(cfg)
-    state = {CHECKPOINT_KEY: {"model": model.state_dict()}}
+        model = build_model(cfg, finetune)
+    check_finetune_matches(path, model)
+    # In the dtypes they were saved in (LoRA's frozen weights may be bf16), so merging is the run's own.
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    prefix = f"{CHECKPOINT_KEY}.model."
+    weights = {k: v.to(saved[prefix + k].properties.dtype) for k, v in model.state_dict().items()}
+    state = {CHECKPOINT_KEY: {"model": weights}}
     dcp.load(state, checkpoint_id=path, planner=WeightsOnlyLoadPlanner(), no_dist=True)
-    return state[CHECKPOINT_KEY]["model"]
+    weights = state[CHECKPOINT_KEY]["model"]
+    if finetune is not None and finetune.method == "lora":
+        weights = merge_adapters(weights, finetune.lora_alpha / finetune.lora_rank)
+    return weights
 
 
 def to_torch_save(checkpoint: Path, out: Path) -> Path:
@@ -76,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
         written = to_torch_save(args.checkpoint, args.out / "checkpoint.pt")
     else:
         cfg = load_config(rest)
-        written = save(load_checkpoint(args.checkpoint, cfg.model), cfg.model, args.out, args.to)
+        written = save(load_checkpoint(args.checkpoint, cfg.model, cfg.finetune), cfg.model, args.out, args.to)
     print(f"wrote {written}")
 
 

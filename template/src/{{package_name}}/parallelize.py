@@ -34,17 +34,25 @@ _SAVE_OPS = {
 }
 
 
-def _save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+_MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
+
+
+def _save_matmuls(ctx, op, *args, adapter_rank: int = 0, **kwargs) -> CheckpointPolicy:
+    if op in _MATMULS and adapter_rank and min(args[-2].shape[-1], args[-1].shape[-1]) <= adapter_rank:
+        # A LoRA adapter's matmul: it contracts over or produces adapter_rank columns, so recomputing
+        # it costs little, while keeping the up-projection's output would cost as much as the base layer's.
+        return CheckpointPolicy.PREFER_RECOMPUTE
     return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def apply_ac(layers: nn.ModuleList, mode: str) -> None:
-    """Wrap each block so its activations are recomputed in backward."""
+def apply_ac(layers: nn.ModuleList, mode: str, *, adapter_rank: int = 0) -> None:
+    """Wrap each block so its activations are recomputed in backward; `adapter_rank` is LoRA's rank (0: none)."""
     if mode == "none":
         return
     kwargs = {}
     if mode == "selective":
-        kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _save_matmuls)
+        policy = functools.partial(_save_matmuls, adapter_rank=adapter_rank)
+        kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, policy)
     for i, block in enumerate(layers):
         # preserve_rng_state=False: the blocks have no dropout, and saving RNG state costs a sync.
         layers[i] = checkpoint_wrapper(block, preserve_rng_state=False, **kwargs)

@@ -36,6 +36,19 @@ dtype of p bytes and T = micro_batch_size * seq_len tokens, bytes per rank are:
                    full       p h                 block input, plus one block recomputed at a time
                  (tests/test_plan.py measures these with torch's MemTracker.)
 
+With LoRA (finetune.method=lora, models/lora.py) the P parameters are frozen and A adapter
+parameters train, Ab = A / L per block: r (in + out) for each adapted linear layer of rank r, so
+r (9h + 2kv + 3f) per block with every layer adapted (r (6h + 2kv) attention only, r (3h + 3f)
+feed-forward only). Then params = (p P + 4A) / G (the frozen weights are stored in the compute
+dtype, without gradients or optimizer state; only the adapters keep fp32 master weights),
+grads = 4A / G, optim = 8A / G; gathered and gradbuf count each block's Pb + Ab parameters and
+only Ab gradients (DDP's autocast copies only the adapters: A p). Per token per block, `none` keeps
+8h + p (5h + 2kv + 4f - d + n r): a norm with a frozen weight keeps only its fp32 input, each of
+the n adapted layers keeps its rank-r intermediate, and a frozen layer keeps no input, so d drops
+what only frozen layers needed (h + f with attention-only adapters: the feed-forward's two inputs;
+h with feed-forward-only ones: the attention's input). selective recomputes the adapters' matmuls
+(rank r) instead of keeping their outputs, so it keeps what it keeps without them.
+
 The peak is params + optim + gathered + gradbuf + activations + the gradients alive during the
 forward pass: none with one micro-batch per step (zero_grad(set_to_none) frees them first);
 with accumulation the sharded 4P/G, or 4P when FSDP keeps unsharded fp32 gradients until the
@@ -46,6 +59,7 @@ allocator fragmentation, which `max_memory_allocated` does not count.
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -53,7 +67,7 @@ import torch
 
 from .config import Config, UsageError
 from .models import ModelShape
-from .presets import GPU_ARCHS, HEADROOM, LINK_GBPS, PEAK_TFLOPS
+from .presets import GPU_ARCHS, HEADROOM, LINK_GBPS, LORA, PEAK_TFLOPS
 
 logger = logging.getLogger(__name__)
 
@@ -96,48 +110,72 @@ def shard_group(sharding: str, gpus_per_node: int, num_nodes: int) -> int:
 def memory_plan(
     s: ModelShape, *, seq_len: int, micro_batch_size: int, precision: str, ac: str, sharding: str,
     cpu_offload: bool, gpus_per_node: int, num_nodes: int, grad_accum: int = 1, sync_every_microbatch: bool = False,
-    zero_optimizer: bool = False, prefetch_blocks: int = 0, float8: str = "none",
+    zero_optimizer: bool = False, prefetch_blocks: int = 0, float8: str = "none", lora_rank: int = 0,
+    lora_targets: str = LORA["targets"],
 ) -> MemoryPlan:  # fmt: skip
-    """Bytes per rank of each term (see the module docstring)."""
+    """Bytes per rank of each term (see the module docstring); lora_rank 0 is full fine-tuning."""
     p = 4 if precision == "fp32" else 2
-    block = block_gather_bytes(s, p, sharding, float8)
+    adapters = adapter_params(s, lora_rank, lora_targets)  # per block
+    trained, trained_block = (s.L * adapters, adapters) if lora_rank else (s.P, s.Pb)
+    block = block_gather_bytes(s, p, sharding, float8, adapters)
     group = shard_group(sharding, gpus_per_node, num_nodes)
-    params, grads, optim = 4 * s.P / group, 4 * s.P / group, 8 * s.P / group
+    # LoRA stores the frozen weights in the compute dtype (models/lora.py's apply_frozen_dtype).
+    stored = p * s.P + 4 * s.L * adapters if lora_rank else 4 * s.P
+    params, grads, optim = stored / group, 4 * trained / group, 8 * trained / group
     if sharding == "no_shard" and zero_optimizer:
-        optim = 8 * s.P / (gpus_per_node * num_nodes)
+        optim = 8 * trained / (gpus_per_node * num_nodes)
     if grad_accum == 1 or (cpu_offload and (sync_every_microbatch or sharding == "hybrid")):
         grads_live = 0
     elif sharding in ("no_shard", "hybrid") or sync_every_microbatch:
         grads_live = grads
     else:
-        grads_live = 4 * s.P  # FSDP accumulates unsharded fp32 gradients while sync is off
+        grads_live = 4 * trained  # FSDP accumulates unsharded fp32 gradients while sync is off
     if sharding == "shard_grad_op":
         gathered = s.L * block + s.Pn * p
     elif sharding == "no_shard":
-        gathered = s.P * p if p < 4 else 0
+        gathered = trained * p if p < 4 else 0  # autocast's copies of the fp32 parameters
     else:
         gathered = (1 + max(prefetch_blocks, 1)) * block + s.Pn * p
-    gradbuf = 0 if sharding == "no_shard" else s.Pb * (p + 4)
-    full_layer = activation_bytes_per_token(s, precision, "none")
+    gradbuf = 0 if sharding == "no_shard" else trained_block * (p + 4)
+    per_layer = functools.partial(activation_bytes_per_token, s, precision, lora_rank=lora_rank,
+                                  lora_targets=lora_targets)  # fmt: skip
     tokens = (s.tokens or seq_len) * micro_batch_size
     logits = (s.logits or seq_len) * micro_batch_size
-    extra = full_layer if ac == "full" else 0  # the one block being recomputed in backward
-    activations = tokens * (s.L * activation_bytes_per_token(s, precision, ac) + extra) + logits * s.V * (p + 12)
+    extra = per_layer("none") if ac == "full" else 0  # the one block being recomputed in backward
+    activations = tokens * (s.L * per_layer(ac) + extra) + logits * s.V * (p + 12)
     host = params + grads + optim if cpu_offload else 0
     return MemoryPlan(params, grads, optim, grads_live, gathered, gradbuf, activations, host)
 
 
-def block_gather_bytes(s: ModelShape, p: int, sharding: str, float8: str) -> float:
-    """Bytes of one all-gathered block: the compute dtype, or one byte per linear weight when FSDP
-    gathers float8 (tensorwise scaling); the two norm weights stay in the compute dtype."""
+def block_gather_bytes(s: ModelShape, p: int, sharding: str, float8: str, adapters: int = 0) -> float:
+    """Bytes of one all-gathered block (with its `adapters` LoRA parameters): the compute dtype, or one
+    byte per linear weight when FSDP gathers float8 (tensorwise scaling); the two norm weights stay
+    in the compute dtype."""
     if float8 == "tensorwise" and sharding != "no_shard":
         return (s.Pb - 2 * s.h) + 2 * s.h * p
-    return s.Pb * p
+    return (s.Pb + adapters) * p
 
 
-def activation_bytes_per_token(s: ModelShape, precision: str, ac: str) -> int:
+def adapter_layers(targets: str) -> int:
+    """Linear layers per Llama-like block that get a LoRA adapter: q, k, v, o and three SwiGLU matrices."""
+    return {"all": 7, "attention": 4, "mlp": 3}[targets]
+
+
+def adapter_params(s: ModelShape, lora_rank: int, lora_targets: str) -> int:
+    """LoRA parameters per block, r (in + out) per adapted layer (the Ab of the module docstring); 0 for rank 0."""
+    attention, mlp = lora_rank * (6 * s.h + 2 * s.kv), lora_rank * (3 * s.h + 3 * s.f)
+    return {"all": attention + mlp, "attention": attention, "mlp": mlp}[lora_targets]
+
+
+def activation_bytes_per_token(
+    s: ModelShape, precision: str, ac: str, lora_rank: int = 0, lora_targets: str = LORA["targets"]
+) -> int:
     """Bytes one block keeps for backward, per token (the `a` of the module docstring)."""
     p = 4 if precision == "fp32" else 2
+    if ac == "none" and lora_rank:
+        frozen_inputs = {"all": 0, "attention": s.h + s.f, "mlp": s.h}[lora_targets]
+        adapted = adapter_layers(lora_targets) * lora_rank
+        return 8 * s.h + p * (5 * s.h + 2 * s.kv + 4 * s.f - frozen_inputs + adapted)
     if ac == "none":
         return 16 * s.h + p * (5 * s.h + 2 * s.kv + 4 * s.f)
     if ac == "selective":
@@ -160,9 +198,15 @@ def grad_accum(cfg: Config) -> int:
     return max(cfg.train.global_batch_size // (cfg.train.micro_batch_size * world), 1)
 
 
+def lora_of(cfg: Config, *, finetune: str | None = None) -> dict:
+    """The plan's LoRA arguments for `cfg` (or for finetune.method=`finetune`): a rank of 0 is full fine-tuning."""
+    f = cfg.finetune
+    return {"lora_rank": f.lora_rank if (finetune or f.method) == "lora" else 0, "lora_targets": f.lora_targets}
+
+
 def plan_for(
     cfg: Config, *, sharding: str | None = None, cpu_offload: bool | None = None, ac: str | None = None,
-    zero_optimizer: bool | None = None,
+    zero_optimizer: bool | None = None, finetune: str | None = None,
 ) -> MemoryPlan:  # fmt: skip
     """The memory plan of `cfg` on its planned hardware, optionally with other choices."""
     p, hw, t = cfg.parallel, cfg.hardware, cfg.train
@@ -173,7 +217,7 @@ def plan_for(
         gpus_per_node=hw.gpus_per_node, num_nodes=hw.num_nodes,
         grad_accum=grad_accum(cfg), sync_every_microbatch=p.grad_sync_every_microbatch,
         zero_optimizer=p.zero_optimizer if zero_optimizer is None else zero_optimizer,
-        prefetch_blocks=p.prefetch_blocks, float8=p.float8,
+        prefetch_blocks=p.prefetch_blocks, float8=p.float8, **lora_of(cfg, finetune=finetune),
     )  # fmt: skip
 
 
@@ -201,37 +245,48 @@ def recommend(cfg: Config) -> tuple[str, str, bool]:
 
 def communication_bytes(
     s: ModelShape, sharding: str, precision: str, gpus_per_node: int, num_nodes: int, zero_optimizer: bool = False,
-    float8: str = "none",
+    float8: str = "none", lora_rank: int = 0, lora_targets: str = LORA["targets"],
 ) -> dict:  # fmt: skip
     """Bytes each rank sends per optimizer step, within a node and across nodes (ring collectives).
 
     full and hybrid gather parameters twice (forward and backward) and reduce-scatter fp32
     gradients once; shard_grad_op gathers once; DDP all-reduces fp32 gradients (2x the data),
-    and with ZeRO also broadcasts the fp32 parameters each rank updated.
+    and with ZeRO also broadcasts the fp32 parameters each rank updated. With LoRA only the
+    adapters have gradients and updates; the frozen weights are still gathered.
     """
     p = 4 if precision == "fp32" else 2
     world = gpus_per_node * num_nodes
-    gather = s.L * block_gather_bytes(s, p, sharding, float8) + s.Pn * p  # one all-gather of every parameter
+    adapters = adapter_params(s, lora_rank, lora_targets)
+    trained = s.L * adapters if lora_rank else s.P
+    gather = s.L * block_gather_bytes(s, p, sharding, float8, adapters) + s.Pn * p  # one all-gather of everything
     if sharding == "no_shard":
-        volume, group = (3 if zero_optimizer else 2) * s.P * 4, world
+        volume, group = (3 if zero_optimizer else 2) * trained * 4, world
     elif sharding == "shard_grad_op":
-        volume, group = gather + s.P * 4, world
+        volume, group = gather + trained * 4, world
     else:
-        volume, group = 2 * gather + s.P * 4, (gpus_per_node if sharding == "hybrid" else world)
+        volume, group = 2 * gather + trained * 4, (gpus_per_node if sharding == "hybrid" else world)
     sent = volume * (group - 1) / group
     if sharding == "hybrid":  # plus the all-reduce of each shard across the nodes
-        return {"intra": sent, "inter": 2 * (s.P / gpus_per_node) * 4 * (num_nodes - 1) / num_nodes}
+        return {"intra": sent, "inter": 2 * (trained / gpus_per_node) * 4 * (num_nodes - 1) / num_nodes}
     return {"intra": sent if num_nodes == 1 else 0.0, "inter": sent if num_nodes > 1 else 0.0}
 
 
 def step_seconds(s: ModelShape, cfg: Config, sharding: str, zero_optimizer: bool = False) -> tuple[float, float]:
-    """(compute, communication) seconds per step, assuming 40% MFU and the link speeds above."""
-    hw, t = cfg.hardware, cfg.train
+    """(compute, communication) seconds per step, assuming 40% MFU and the link speeds above.
+
+    6 FLOPs per parameter and token (forward, input and weight gradients); a frozen weight has no
+    weight gradient, so with LoRA 4 per frozen parameter and 6 per adapter parameter.
+    """
+    hw, t, lora = cfg.hardware, cfg.train, lora_of(cfg)
     world = hw.gpus_per_node * hw.num_nodes
     tokens_per_rank = t.global_batch_size * t.seq_len / world
-    compute = 6 * s.P * tokens_per_rank / (0.4 * ARCH_TFLOPS.get(hw.gpu_arch, ARCH_TFLOPS["ampere"]) * 1e12)
+    adapters = s.L * adapter_params(s, **lora)
+    flops = 4 * s.P + 6 * adapters if lora["lora_rank"] else 6 * s.P
+    compute = flops * tokens_per_rank / (0.4 * ARCH_TFLOPS.get(hw.gpu_arch, ARCH_TFLOPS["ampere"]) * 1e12)
     p = cfg.parallel
-    sent = communication_bytes(s, sharding, p.mixed_precision, hw.gpus_per_node, hw.num_nodes, zero_optimizer, p.float8)
+    sent = communication_bytes(
+        s, sharding, p.mixed_precision, hw.gpus_per_node, hw.num_nodes, zero_optimizer, p.float8, **lora
+    )
     comm = sent["intra"] / (LINK_GBPS[hw.intra_node_link] * 1e9) + sent["inter"] / (LINK_GBPS[hw.inter_node_link] * 1e9)
     return compute, comm
 

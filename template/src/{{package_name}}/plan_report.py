@@ -17,8 +17,10 @@ from .plan import (
     HEADROOM,
     SHARDINGS,
     ModelShape,
+    adapter_params,
     communication_bytes,
     grad_accum,
+    lora_of,
     plan_for,
     recommend,
     step_seconds,
@@ -42,6 +44,7 @@ def format_table(cfg: Config) -> str:
         f"{p.activation_checkpointing}",
         f"hardware: {hw.num_nodes} node(s) x {hw.gpus_per_node} {hw.accelerator}"
         + (f", {hw.gpu_memory_gb:g} GiB each ({HEADROOM * hw.gpu_memory_gb:.1f} usable)" if hw.gpu_memory_gb else ""),
+        *lora_lines(cfg, unit, unit_name),
         "",
         line(
             "sharding",
@@ -62,7 +65,9 @@ def format_table(cfg: Config) -> str:
     for sharding, offload, zero in choices:
         m = plan_for(cfg, sharding=sharding, cpu_offload=offload, zero_optimizer=zero)
         compute, comm = step_seconds(s, cfg, sharding, zero)
-        sent = communication_bytes(s, sharding, p.mixed_precision, hw.gpus_per_node, hw.num_nodes, zero)
+        sent = communication_bytes(
+            s, sharding, p.mixed_precision, hw.gpus_per_node, hw.num_nodes, zero, p.float8, **lora_of(cfg)
+        )
         fits = "yes" if not hw.gpu_memory_gb or m.fits(hw.gpu_memory_gb) else "no"
         resident = 0 if offload else m.params + m.optim
         sizes = [f"{b / unit:.1f}" for b in (resident, m.grads_live, m.gathered + m.gradbuf, m.activations, m.total)]
@@ -78,6 +83,21 @@ def format_table(cfg: Config) -> str:
         "hide the communication behind compute",
     ]
     return "\n".join(rows)
+
+
+def lora_lines(cfg: Config, unit: float, unit_name: str) -> list[str]:
+    """With LoRA: the adapters trained, and the peak of the same plan with full fine-tuning."""
+    f = cfg.finetune
+    if f.method != "lora":
+        return []
+    s = ModelShape.of(cfg.model)
+    adapters = s.L * adapter_params(s, **lora_of(cfg))
+    lora, full = plan_for(cfg).total, plan_for(cfg, finetune="full").total
+    return [
+        f"finetune: lora, rank {f.lora_rank}, lora_targets {f.lora_targets}: {adapters / 1e6:.2f}M trained "
+        f"parameters ({adapters / s.P:.2%}); peak {lora / unit:.1f} {unit_name} against {full / unit:.1f} with full "
+        "fine-tuning"
+    ]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -47,12 +47,13 @@ class Strategy(ABC):
         """Prepare the model on the meta device, before its parameters are allocated."""
 
     @abstractmethod
-    def apply_weights_from_rank0(self, model: nn.Module, full_state: FullState) -> None:
+    def apply_weights_from_rank0(self, model: nn.Module, full_state: FullState, *, strict: bool = True) -> None:
         """Load the weights full_state() builds on rank 0 into the materialised model, on every rank.
 
         The weights are then the same at any world size: DTensor random init depends on the
         sharding, and on a CPU mesh it even repeats one shard on every rank. This is the FSDP2
-        replacement for FSDP1's sync_module_states.
+        replacement for FSDP1's sync_module_states. With strict=False full_state() may hold only
+        some of the weights (LoRA adapters beside pretrained ones); the others keep their values.
         """
 
     @abstractmethod
@@ -110,9 +111,9 @@ class FSDP(Strategy):
     def apply_sharding(self, model: nn.Module) -> None:
         apply_fsdp(model, self.mesh, self.cfg)
 
-    def apply_weights_from_rank0(self, model: nn.Module, full_state: FullState) -> None:
+    def apply_weights_from_rank0(self, model: nn.Module, full_state: FullState, *, strict: bool = True) -> None:
         state = full_state() if dist.get_rank() == 0 else {}
-        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=strict)
         set_model_state_dict(model, state, options=options)
 
     def wrap(self, model: nn.Module) -> nn.Module:
@@ -145,10 +146,10 @@ class DDP(Strategy):
     def apply_sharding(self, model: nn.Module) -> None:
         pass  # nothing to shard: wrap() wraps the materialised model
 
-    def apply_weights_from_rank0(self, model: nn.Module, full_state: FullState) -> None:
+    def apply_weights_from_rank0(self, model: nn.Module, full_state: FullState, *, strict: bool = True) -> None:
         if dist.get_rank() == 0:
             # Not yet wrapped in DDP: its constructor broadcasts rank 0's parameters and buffers.
-            model.load_state_dict(full_state())
+            model.load_state_dict(full_state(), strict=strict)
 
     def wrap(self, model: nn.Module) -> DistributedDataParallel:
         return DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type != "cpu" else None)

@@ -32,7 +32,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.tensor import DTensor
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from .checkpoint import CheckpointManager, FaultHook, TrainState, check_resume
+from .checkpoint import CheckpointManager, FaultHook, TrainState, check_resume, check_resume_finetune
 from .config import EXIT_USAGE, Config, UsageError, load_config, reports_errors
 from .data import IGNORE_INDEX, HeldOut, agree_on_steps, build_held_out, build_loader, check_data
 from .distributed import (
@@ -52,10 +52,11 @@ from .distributed import (
 from .evaluate import EvalResult, check_eval_only, checkpoint_to_evaluate, evaluate
 from .metrics import MetricsLogger, init_logging, peak_tflops
 from .models import ModelShape, build_model, model_spec
-from .parallelize import apply_ac, apply_compile, apply_float8, check_float8
+from .models.lora import apply_frozen_dtype, frozen_matmul_params, lora_rank
+from .parallelize import DTYPES, apply_ac, apply_compile, apply_float8, check_float8
 from .plan import check_plan
 from .strategy import Strategy, build_strategy
-from .weights import check_init_from, export_weights, initial_state, load_pretrained
+from .weights import apply_initial_weights, check_init_from, export_weights
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +73,7 @@ def init_distributed(cfg: Config) -> DistEnv:
     check_plan(cfg, rdzv.world_size, device)
     check_data(cfg, rdzv.rank, rdzv.world_size)
     check_resume(cfg.checkpoint)
+    check_resume_finetune(cfg)
     check_init_from(cfg)
     check_eval_only(cfg)
     check_float8(cfg.parallel.float8, device)
@@ -89,43 +91,51 @@ def init_distributed(cfg: Config) -> DistEnv:
 
 
 def build_model_meta(cfg: Config, env: DistEnv, *, init_weights: bool) -> nn.Module:
-    """Build on the meta device, parallelize, materialise this rank's shards, initialise."""
+    """Build on the meta device (with LoRA adapters for finetune.method=lora), parallelize, materialise
+    this rank's shards, initialise."""
     with torch.device("meta"):
-        model = build_model(cfg.model)
+        model = build_model(cfg.model, cfg.finetune)
     p, strategy = cfg.parallel, env.strategy
+    if cfg.finetune.method == "lora":
+        apply_frozen_dtype(model, DTYPES[p.mixed_precision])
     apply_float8(model.layers, p.float8, fsdp=strategy.shards_parameters)
-    apply_ac(model.layers, p.activation_checkpointing)
+    apply_ac(model.layers, p.activation_checkpointing, adapter_rank=lora_rank(cfg.finetune))
     if p.compile:
         apply_compile(model.layers, p.compile_backend)
     strategy.apply_sharding(model)
     # Allocates only this rank's shards (on the host with CPU offload); the contents are garbage.
     model.to_empty(device=env.device)
     model.tie_weights()
-    if init_weights and cfg.checkpoint.init_from:  # a resumed run gets its weights from the checkpoint
-        load_pretrained(model, cfg)
-    elif init_weights:
-        strategy.apply_weights_from_rank0(model, lambda: initial_state(cfg))
+    if init_weights:  # a resumed run gets its weights from the checkpoint
+        apply_initial_weights(model, cfg, strategy)
     # Non-persistent buffers are neither broadcast nor checkpointed: every rank recomputes them.
     model.init_buffers()
     model = strategy.wrap(model)
     n_params = sum(p.numel() for p in model.parameters())
-    logger.info("model %s: %.2fM parameters, sharding %s", cfg.model.preset, n_params / 1e6, p.sharding)
+    n_trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    logger.info(
+        "model %s: %.2fM parameters, %.2fM trained (finetune %s), sharding %s",
+        cfg.model.preset, n_params / 1e6, n_trained / 1e6, cfg.finetune.method, p.sharding,
+    )  # fmt: skip
     return model
 
 
 def build_optimizer(cfg: Config, model: nn.Module, strategy: Strategy):
-    """AdamW over the sharded parameters, with linear warm-up and cosine decay.
+    """AdamW over the sharded parameters that train, with linear warm-up and cosine decay.
 
     Built after sharding, so its state is created for (and sharded like) the DTensor parameters.
-    With parallel.zero_optimizer (DDP), each rank keeps AdamW state only for the parameters it owns,
-    steps those and broadcasts them (ZeroRedundancyOptimizer: the ZeroDDP strategy builds it).
+    Frozen parameters (all but the adapters with LoRA) get no state. With parallel.zero_optimizer
+    (DDP), each rank keeps AdamW state only for the parameters it owns, steps those and broadcasts
+    them (ZeroRedundancyOptimizer: the ZeroDDP strategy builds it).
     """
     t = cfg.train
-    params = list(model.parameters())
+    params = [p for p in model.parameters() if p.requires_grad]
+    # LoRA's adapters are matrices: decay pulls their update towards the pretrained weights.
     groups = [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": t.weight_decay},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
+    groups = [group for group in groups if group["params"]]  # LoRA trains no vectors
     optimizer = strategy.build_optimizer(groups, lr=t.lr, betas=t.betas)
 
     def lr_factor(done: int) -> float:
@@ -290,11 +300,17 @@ def build_metrics(cfg: Config, env: DistEnv, model: nn.Module, start_step: int) 
         start_step=start_step,
         tokens_per_step=cfg.train.global_batch_size * tokens,
         world_size=env.world_size,
-        flops_per_token=model_spec(cfg.model.name).flops_per_token(env.strategy.unwrap(model), cfg.model, tokens),
+        flops_per_token=flops_per_token(cfg, env.strategy.unwrap(model), tokens),
         peak_tflops=peak_tflops(env.device, cfg.metrics.peak_tflops),
         device=env.device,
         rank=env.rank,
     )
+
+
+def flops_per_token(cfg: Config, model: nn.Module, tokens: int) -> int:
+    """Training FLOPs per token for MFU: the model's count, less the weight gradients frozen weights skip."""
+    flops = model_spec(cfg.model.name).flops_per_token(model, cfg.model, tokens)
+    return flops - 2 * frozen_matmul_params(model)
 
 
 def refuse(error: UsageError | None) -> NoReturn:

@@ -8,8 +8,10 @@ passes checkpoint.export_file_gb (5 GB, as transformers' save_pretrained). `safe
 this repo's parameter names; `hf` writes a Hugging Face directory (with config.json) that
 `transformers.AutoModelForCausalLM.from_pretrained` loads, for models whose spec has a Hugging
 Face layout (models/spec.py). Nothing here knows a model by name: names, tied weights and
-config.json come from the model and its spec. Converting a distributed checkpoint offline:
-convert.py."""
+config.json come from the model and its spec. A LoRA model (finetune.method=lora) starts from
+pretrained or seeded base weights plus seeded adapters, and exports plain weights with the
+adapters merged in, which load anywhere the base model does. Converting a distributed checkpoint
+offline: convert.py."""
 
 from __future__ import annotations
 
@@ -26,8 +28,10 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceSt
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from .checkpoint import plain_tensors
-from .config import Config, ModelConfig, UsageError
+from .config import Config, FinetuneConfig, ModelConfig, UsageError
 from .models import build_model, model_spec
+from .models.lora import initial_adapters, merge_adapters
+from .strategy import Strategy
 
 logger = logging.getLogger(__name__)
 INDEX = "model.safetensors.index.json"
@@ -128,6 +132,27 @@ def load_pretrained(model: torch.nn.Module, cfg: Config) -> None:
     logger.info("loaded %s weights from %s", len(names), directory)
 
 
+def apply_initial_weights(model: torch.nn.Module, cfg: Config, strategy: Strategy) -> None:
+    """The starting weights on every rank: checkpoint.init_from's, or rank 0's seeded init.
+
+    With LoRA the adapters start from rank 0's seeded draws too (and B = 0, so the model computes
+    what its base weights do): with init_from they come after the pretrained weights, as a
+    second, small broadcast that leaves the pretrained weights as they are.
+    """
+    if cfg.checkpoint.init_from:
+        load_pretrained(model, cfg)
+        if cfg.finetune.method == "lora":
+            meta = build_model_on_meta(cfg.model, cfg.finetune)  # the adapters' state-dict names, unwrapped
+            strategy.apply_weights_from_rank0(model, lambda: initial_adapters(meta, cfg.train.seed), strict=False)
+        return
+    if cfg.finetune.method == "lora":
+        logger.warning(
+            "finetune.method=lora without checkpoint.init_from: the adapters train on randomly initialised "
+            "weights, which stay random; set checkpoint.init_from to the pretrained weights to fine-tune"
+        )
+    strategy.apply_weights_from_rank0(model, lambda: initial_state(cfg))
+
+
 def file_index(state: dict[str, torch.Tensor], max_bytes: float) -> dict[str, int]:
     """Export file (1, 2, ...) of each tensor: in order, a new file whenever one would pass max_bytes."""
     index, file, size = {}, 1, 0
@@ -145,9 +170,11 @@ def export_weights(model: torch.nn.Module, cfg: Config, out: Path, is_main: bool
     DCP's Hugging Face writer has each rank write its shards under out/sharded, then rank 0 joins
     them tensor by tensor into the final files; a model in one file is named model.safetensors.
     """
-    fmt = cfg.checkpoint.export
+    fmt, f = cfg.checkpoint.export, cfg.finetune
     names = stored_names(cfg.model, fmt)
     state = plain_tensors(get_model_state_dict(model))
+    if f.method == "lora":  # plain weights under the base names: W + (alpha / rank) B A, merged shard by shard
+        state = merge_adapters(state, f.lora_alpha / f.lora_rank)
     stored = {names[k]: state[k] for k in names}
     if is_main and out.exists():
         shutil.rmtree(out)  # a previous export of this run dir (an extended run): replaced whole
@@ -195,14 +222,17 @@ def load(path: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def build_model_on_meta(cfg: ModelConfig) -> torch.nn.Module:
+def build_model_on_meta(cfg: ModelConfig, finetune: FinetuneConfig | None = None) -> torch.nn.Module:
     with torch.device("meta"):
-        return build_model(cfg)
+        return build_model(cfg, finetune)
 
 
 def initial_state(cfg: Config) -> dict[str, torch.Tensor]:
-    """Rank 0's full initial weights: a seeded random init, the same at any world size."""
+    """Rank 0's full initial weights: a seeded random init, the same at any world size (LoRA adapters included)."""
     with torch.device("cpu"):
         reference = build_model(cfg.model)
     reference.init_weights(torch.Generator().manual_seed(cfg.train.seed))
-    return reference.state_dict()
+    state = reference.state_dict()
+    if cfg.finetune.method == "lora":
+        state |= initial_adapters(build_model_on_meta(cfg.model, cfg.finetune), cfg.train.seed)
+    return state

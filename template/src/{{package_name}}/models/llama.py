@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
-from .spec import HFLayout, ModelSpec, RenameTable, decoder_errors, decoder_shape
+from .spec import HFLayout, LoraLayout, ModelSpec, RenameTable, decoder_errors, decoder_shape
 
 
 def rope_cache(head_dim: int, max_seq_len: int, theta: float, device=None) -> torch.Tensor:
@@ -196,4 +196,5 @@ SPEC = ModelSpec(
         from_hf=lambda name: HF_NAMES.rename(name, to_hf=False),
         config_json=hf_config_json,
     ),
+    lora=LoraLayout(attention="attention", mlp="feed_forward"),
 )

@@ -2,9 +2,10 @@
 
 Each model module defines `SPEC = ModelSpec(...)`; models/__init__.py maps `model.name` to the
 module. From the spec, plan.py sizes memory (`shape`), metrics.py counts FLOPs (`flops_per_token`),
-config.py checks the model's own fields (`check`), data.py feeds `inputs`, and weights.py maps the
-weights to and from Hugging Face (`hf`). The nn.Module it builds meets the module contract in
-models/__init__.py. Plain Python and torch: nothing here imports torch.distributed.
+config.py checks the model's own fields (`check`), data.py feeds `inputs`, weights.py maps the
+weights to and from Hugging Face (`hf`), and models/lora.py places adapters (`lora`). The
+nn.Module it builds meets the module contract in models/__init__.py. Plain Python and torch:
+nothing here imports torch.distributed.
 """
 
 from __future__ import annotations
@@ -138,6 +139,16 @@ class HFLayout:
     """The config.json that makes `AutoModelForCausalLM.from_pretrained` build this model."""
 
 
+@dataclass(frozen=True)
+class LoraLayout:
+    """Where a block keeps its attention and feed-forward linear layers (finetune.lora_targets)."""
+
+    attention: str
+    """Name of the block's attention submodule: its linear layers are the `attention` targets."""
+    mlp: str
+    """Name of the block's feed-forward submodule: its linear layers are the `mlp` targets."""
+
+
 def no_errors(cfg: Config) -> list[str]:
     return []
 
@@ -158,3 +169,5 @@ class ModelSpec:
     """Training FLOPs per token for the MFU figure (model, config, tokens per sample)."""
     hf: HFLayout | None = None
     """The Hugging Face weight layout, for models transformers can load (None: export=hf refused)."""
+    lora: LoraLayout | None = None
+    """Where LoRA adapters go in a block (models/lora.py); None: finetune.method=lora is refused."""
