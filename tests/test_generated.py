@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import yaml
-from answers import FAULTS, FLOAT8, FULL, SMOKE, STRATEGIES
+from answers import FAULTS, FLOAT8, FULL, SMOKE, STRATEGIES, TENSOR_PARALLEL
 
 RUN_ON_CPU = {
     "sharding": {"full", "shard_grad_op", "hybrid", "no_shard"},
@@ -48,7 +48,7 @@ def test_generated_smoke_rules_and_plan(rendered, name):
 
 @pytest.mark.parametrize("name", FULL)
 def test_generated_checkpoints_and_errors(rendered, name):
-    skip = [*SMOKE_FILES, "tests/test_float8.py"]
+    skip = [*SMOKE_FILES, "tests/test_float8.py", "tests/test_tensor_parallel.py"]
     if name != FULL[0]:  # a new model is a new model on any render: proving it once is enough
         skip.append("tests/test_model_contract.py")
     ignored = (f"--ignore={f}" for f in skip)
@@ -72,3 +72,9 @@ def test_generated_strategies_match_the_golden_losses(rendered, name):
 def test_generated_float8_converts_trains_and_checkpoints(rendered, name):
     out = run_generated(rendered[name], "-m", "", "tests/test_float8.py")
     assert "6 passed" in out and "skipped" not in out, out[-2000:]
+
+
+@pytest.mark.parametrize("name", TENSOR_PARALLEL)
+def test_generated_tensor_parallel_trains_reshards_and_exports(rendered, name):
+    out = run_generated(rendered[name], "-m", "", "tests/test_tensor_parallel.py")
+    assert "7 passed" in out and "skipped" not in out, out[-2000:]

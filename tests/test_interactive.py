@@ -125,6 +125,9 @@ def test_impossible_picks_on_one_gpu_node_are_disabled_or_refused(session, tmp_p
     run_to(s, "package_name", {})
     refusals["package_name=launch"] = s.type("launch")
     assert s.type("mymodel") == ""
+    run_to(s, "tensor_parallel", {})
+    refusals["tensor_parallel=3"] = s.type("3")  # a typed number: copier asks again
+    assert s.type("1") == ""
     run_to(s, "seq_len", {})
     refusals["seq_len=100000"] = s.type("100000")
     assert s.type("8192") == ""
@@ -152,6 +155,7 @@ def test_impossible_picks_on_one_gpu_node_are_disabled_or_refused(session, tmp_p
     assert s.finish() == 0
 
     assert "would shadow" in refusals["package_name=launch"] and "e.g. launch_train" in refusals["package_name=launch"]
+    assert "must divide gpus_per_node=8" in refusals["tensor_parallel=3"]
     assert "must be between 1 and 8192" in refusals["seq_len=100000"]
     assert NUMBERS.search(refusals["micro_batch_size=64"]) and "1 fits" in refusals["micro_batch_size=64"]
     assert "choose activation_checkpointing=selective" in refusals["activation_checkpointing=none"]
