@@ -402,9 +402,12 @@ def check_plan(cfg: Config, world_size: int, device: torch.device) -> None:
             f"launched on {world_size} ranks but the plan is for {planned} "
             f"({hw.num_nodes} node(s) x {hw.gpus_per_node})"
         )
-    live = device_memory_gb(device)
-    plan = plan_for(cfg)
-    if live is not None and not plan.fits(live):
+    live, degree = device_memory_gb(device), cfg.parallel.tensor_parallel
+    if hw.gpus_per_node % degree:  # the planned hardware has no plan with this degree to check
+        problems.append(
+            f"parallel.tensor_parallel={degree} does not split the plan's {hw.gpus_per_node} ranks per node into groups"
+        )
+    elif live is not None and not (plan := plan_for(cfg)).fits(live):
         problems.append(
             f"the plan needs {plan.total / GIB:.1f} GiB per device and this {device.type} has {live:.1f} GiB "
             f"({HEADROOM:.0%} usable)"

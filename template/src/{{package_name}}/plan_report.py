@@ -133,6 +133,11 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(EXIT_USAGE) from None
         return
     cfg = load_config(rest)
+    hw, degree = cfg.hardware, cfg.parallel.tensor_parallel
+    if hw.gpus_per_node % degree:
+        why = f"parallel.tensor_parallel={degree} does not divide the planned hardware.gpus_per_node={hw.gpus_per_node}"
+        print(f"{__package__}.plan: error: {why}: choose a divisor, or plan other hardware", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE)
     if args.json:
         chosen = plan_for(cfg)
         print(json.dumps({**asdict(chosen), "total": chosen.total}))

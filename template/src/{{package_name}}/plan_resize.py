@@ -116,15 +116,16 @@ def tensor_parallel_answers(cfg: Config) -> dict:
     """tensor_parallel and micro_batch_size for cfg's new hardware, when the planner's degree differs from cfg's.
 
     A group of t GPUs takes t times the sequences of one GPU (as copier plans it), so the
-    micro-batch changes with the degree.
+    micro-batch changes with the degree: the largest that fits, or t times one GPU's where nothing
+    fits (or on CPU ranks, which are not memory-planned).
     """
     degree = cfg.parallel.tensor_parallel
     base = max(cfg.train.micro_batch_size // degree, 1)
     best = recommend_tensor_parallel(cfg, base)
-    estimate = estimate_tensor_parallel(cfg, best, base)
-    if best == degree or estimate is None:
+    if best == degree:
         return {}
-    return {"tensor_parallel": best, "micro_batch_size": estimate.micro_batch_size}
+    estimate = estimate_tensor_parallel(cfg, best, base)
+    return {"tensor_parallel": best, "micro_batch_size": estimate.micro_batch_size if estimate else base * best}
 
 
 def update_command(answers: dict) -> str:

@@ -69,9 +69,9 @@ def init_distributed(cfg: Config) -> DistEnv:
     rdzv = rendezvous_from_env(cfg.dist.init_method)
     init_logging(rdzv.rank)
     device = resolve_device(cfg.device, rdzv.local_rank)
-    check_plan(cfg, rdzv.world_size, device)
     tp = cfg.parallel.tensor_parallel
     check_tensor_parallel(tp, rdzv.world_size, rdzv.local_world_size)
+    check_plan(cfg, rdzv.world_size, device)
     check_data(cfg, rdzv.rank // tp, rdzv.world_size // tp)  # a tensor-parallel group shares its batches
     check_resume(cfg.checkpoint)
     check_init_from(cfg)
