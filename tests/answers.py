@@ -54,8 +54,13 @@ MATRIX = {
     },
     # Four Blackwell nodes on InfiniBand, Llama 70B: FSDP alone is communication-bound there, so
     # groups of four GPUs split every layer (tensor parallelism, the planner's pick too).
-    "blackwell_70b": {"gpu_arch": "blackwell", "num_nodes": 4, "inter_node_link": "infiniband", "model_size": "70b",
-                      "tensor_parallel": 4},
+    "blackwell_70b": {
+        "gpu_arch": "blackwell",
+        "num_nodes": 4,
+        "inter_node_link": "infiniband",
+        "model_size": "70b",
+        "tensor_parallel": 4,
+    },
     # A transformers Qwen2 of the 8B shape, from a local dataset: on two 48 GB GPUs it only fits
     # with CPU offload (the planner's pick).
     "ada_offload": {

@@ -227,14 +227,15 @@ def test_tensor_parallel_splits_what_one_rank_holds_by_hand(plan):
     assert four.gathered == one.gathered / 4 and four.gradbuf == one.gradbuf / 4  # the gathered blocks are split
     # Per token and block: the norms (fp32, sequence-split), 2h gathered inputs kept whole, the rest split.
     h, kv, f = 8192, 1024, 28672
-    assert plan.activation_bytes_per_token(s, "bf16", "none", 4) == 16 * h / 4 + 2 * (2 * h + (3 * h + 2 * kv + 4 * f) / 4)
-    assert plan.activation_bytes_per_token(s, "bf16", "none", 4) == 136_192
+    none = plan.activation_bytes_per_token(s, "bf16", "none", 4)
+    assert none == 16 * h / 4 + 2 * (2 * h + (3 * h + 2 * kv + 4 * f) / 4) == 136_192
     assert plan.activation_bytes_per_token(s, "bf16", "selective", 4) == 74_752
     assert plan.activation_bytes_per_token(s, "bf16", "full", 4) == 2 * h / 4
     tokens, logits = 4 * 8192, 128256 * (2 + 12)  # the logits stay whole on every rank
     assert four.activations == tokens * (80 * 4096 + 136_192 + logits) == 74_037_854_208
     # FSDP moves 1/4 of the parameters among 8 data-parallel ranks: 2P (two bf16 gathers + fp32 grads) x 7/8.
-    assert plan.communication_bytes(s, "full", "bf16", 8, 4, tensor_parallel=4) == {"intra": 0.0, "inter": 2 * s.P * 7 / 8}
+    sent = plan.communication_bytes(s, "full", "bf16", 8, 4, tensor_parallel=4)
+    assert sent == {"intra": 0.0, "inter": 2 * s.P * 7 / 8}
     # Tensor parallelism's own traffic, Llama 3.1 8B in pairs: 16384 tokens x 2 bytes x (4096 x (8 x 32 + 4)
     # hidden states + 128256 logits) x 1/2.
     assert plan.tensor_parallel_bytes(shape(plan, "8b"), "bf16", "none", 2, 16384) == 19_549_650_944
@@ -273,7 +274,8 @@ def test_tensor_parallel_is_recommended_where_fsdp_alone_is_communication_bound(
     cfg = hardware_config("70b", "bf16", 8, 1, 80, "nvlink", "", "hopper")
     assert plan.estimate_tensor_parallel(cfg, 8, 1).cpu_offload and plan.recommend_tensor_parallel(cfg, 1) == 1
     # Ethernet between nodes makes even 8B communication-bound.
-    assert plan.recommend_tensor_parallel(hardware_config("8b", "bf16", 8, 4, 80, "nvlink", "ethernet", "hopper"), 1) == 4
+    ethernet = hardware_config("8b", "bf16", 8, 4, 80, "nvlink", "ethernet", "hopper")
+    assert plan.recommend_tensor_parallel(ethernet, 1) == 4
     # Heads decide which degrees exist: 125m has 12 heads, so 8 is out.
     assert plan.tensor_parallel_degrees(hardware_config("125m", "bf16", 8, 1, 80, "nvlink", "", "hopper")) == [1, 2, 4]
 
@@ -327,7 +329,11 @@ def test_question_time_and_run_time_tensor_parallel_recommendations_agree(plan):
             assert bool(qe) == (re_ is not None)
             if re_ is not None:
                 assert (qe["micro_batch_size"], qe["ac"], qe["sharding"], qe["offload"]) == (
-                    re_.micro_batch_size, re_.ac, re_.sharding, re_.cpu_offload)
+                    re_.micro_batch_size,
+                    re_.ac,
+                    re_.sharding,
+                    re_.cpu_offload,
+                )
                 assert qe["seconds_per_token"] == pytest.approx(re_.seconds_per_token, rel=1e-12)
         picked.add(r)
         checked += 1
