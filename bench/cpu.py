@@ -160,7 +160,8 @@ if op == "load_sharded":
     cfg.checkpoint.init_from = path
     added = peak_added(lambda: weights.load_pretrained(model, cfg))
 elif op == "load_rank0":
-    added = peak_added(lambda: env.strategy.apply_weights_from_rank0(model, lambda: weights.load(Path(path), cfg.model)))
+    full_state = lambda: weights.load(Path(path), cfg.model)  # noqa: E731
+    added = peak_added(lambda: env.strategy.apply_weights_from_rank0(model, full_state))
 elif op == "export_sharded":
     added = peak_added(lambda: weights.export_weights(model, cfg, Path(path), env.is_main))
 else:

@@ -42,10 +42,11 @@ MATRIX = {
         "init_method": "file",
         "ci_workflow": False,
     },
-    # Intel GPUs, a transformers Mistral, launched on Kubernetes only.
+    # Intel GPUs, a transformers Mistral from a local dataset, launched on Kubernetes only.
     "xpu": {
         "model_type": "hf_causal_lm",
         "hf_architecture": "mistral",
+        "data_source": "hf_dataset",
         "accelerator": "xpu",
         "gpus_per_node": 4,
         "model_size": "3b",
@@ -61,8 +62,8 @@ MATRIX = {
         "model_size": "70b",
         "tensor_parallel": 4,
     },
-    # A transformers Qwen2 of the 8B shape, from a local dataset: on two 48 GB GPUs it only fits
-    # with CPU offload (the planner's pick).
+    # A transformers Qwen2 of the 8B shape, fine-tuned on chats (sft): on two 48 GB GPUs it only
+    # fits with CPU offload (the planner's pick).
     "ada_offload": {
         "gpu_arch": "ada",
         "gpus_per_node": 2,
@@ -70,7 +71,7 @@ MATRIX = {
         "model_size": "8b",
         "model_type": "hf_causal_lm",
         "hf_architecture": "qwen2",
-        "data_source": "hf_dataset",
+        "data_source": "sft",
         "float8": "tensorwise",
     },
     # DDP over MPI on Turing (MPI lacks reduce_scatter, so only no_shard is allowed).
@@ -125,11 +126,13 @@ MATRIX = {
 # others differ only in values a CPU run does not reach (backend names, GPU sizes), or, for
 # turing_mpi_ddp, need an MPI build of PyTorch.
 # SMOKE: the smoke test, the FSDP2 rules and the memory plan (about a minute each).
-SMOKE = ["default", "cpu_debug", "ampere_two_nodes_ethernet", "volta_pcie_fp16", "ada_offload",
-         "cpu_ddp_bf16_compile", "cpu_hybrid_fp16_offload"]  # fmt: skip
+# (ampere_two_nodes_ethernet runs only FULL: its hybrid, tcp and async choices appear here in
+# cpu_hybrid_fp16_offload and cpu_ddp_bf16_compile, and the strategies table runs hybrid llama.)
+SMOKE = ["default", "cpu_debug", "volta_pcie_fp16", "ada_offload", "cpu_ddp_bf16_compile", "cpu_hybrid_fp16_offload"]
 # FULL: everything else too: checkpoints (atomicity, damage, resharding, preemption, export),
 # data, uneven inputs, error messages, observability, hardware detection. The default render
-# is what `copier copy --defaults` gives a user, so its whole suite runs.
+# is what `copier copy --defaults` gives a user, so its whole suite runs; the second adds what
+# changes with hybrid sharding, tcp rendezvous and async checkpoints (test_generated.ONCE_*).
 FULL = ["default", "ampere_two_nodes_ethernet"]
 # FAULTS: ranks killed at ten points under torchrun --max-restarts (needs env:// rendezvous).
 FAULTS = ["cpu_debug"]
@@ -138,6 +141,10 @@ STRATEGIES = ["cpu_debug"]
 # FLOAT8: float8 training of a tiny model on CPU ranks (emulated matmuls; about a minute), which
 # the FULL renders leave out. Every render has the code; the conversion tests run in-process.
 FLOAT8 = ["cpu_debug"]
+# SFT: chats prepared with a tokenizer built in the test, the loss masked to the replies, 2 ranks
+# against one process (about a minute), which the FULL renders leave out. Every decoder render
+# has the code and the test file; this one is a transformers model fine-tuned on chats.
+SFT = ["ada_offload"]
 # TENSOR_PARALLEL: FSDP x tensor parallelism on 4 CPU ranks (2 x 2) against the golden losses, its
 # checkpoints resharded and its export, which the FULL renders leave out (tests/test_tensor_parallel.py;
 # every render has it, and the preset configs of renders such as blackwell_70b set the degree).

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import yaml
-from answers import FAULTS, FLOAT8, FULL, SMOKE, STRATEGIES, TENSOR_PARALLEL
+from answers import FAULTS, FLOAT8, FULL, SFT, SMOKE, STRATEGIES, TENSOR_PARALLEL
 
 RUN_ON_CPU = {
     "sharding": {"full", "shard_grad_op", "hybrid", "no_shard"},
@@ -29,6 +29,14 @@ def test_smoke_renders_cover_every_choice_that_runs_on_cpu(rendered):
 
 
 SMOKE_FILES = ["tests/test_smoke.py", "tests/test_fsdp_rules.py", "tests/test_plan.py"]
+# Generated test files that a selection of their own runs, in one render: the FULL renders skip them.
+OWN_SELECTION = ["tests/test_float8.py", "tests/test_sft.py", "tests/test_tensor_parallel.py"]
+# What FULL runs in its first render only: subjects that do not change with a render's sharding,
+# rendezvous or checkpoint format (data, metrics, hardware detection, a new model), and the ZeRO
+# checkpoint and Join tests, which force DDP whatever the render says.
+ONCE_FILES = ["tests/test_data.py", "tests/test_observability.py", "tests/test_detect.py",
+              "tests/test_model_contract.py"]  # fmt: skip
+ONCE_TESTS = "zero_checkpoint_moves or test_join_"
 
 
 def run_generated(root, *args: str) -> str:
@@ -48,11 +56,11 @@ def test_generated_smoke_rules_and_plan(rendered, name):
 
 @pytest.mark.parametrize("name", FULL)
 def test_generated_checkpoints_and_errors(rendered, name):
-    skip = [*SMOKE_FILES, "tests/test_float8.py", "tests/test_tensor_parallel.py"]
-    if name != FULL[0]:  # a new model is a new model on any render: proving it once is enough
-        skip.append("tests/test_model_contract.py")
-    ignored = (f"--ignore={f}" for f in skip)
-    run_generated(rendered[name], "-m", "not faults and not strategies", "tests", *ignored)
+    skip, once = [*SMOKE_FILES, *OWN_SELECTION], []
+    if name != FULL[0]:
+        skip, once = [*skip, *ONCE_FILES], ["-k", f"not ({ONCE_TESTS})"]
+    run_generated(rendered[name], "-m", "not faults and not strategies", *once, "tests",
+                  *(f"--ignore={f}" for f in skip))  # fmt: skip
 
 
 @pytest.mark.parametrize("name", FAULTS)
@@ -72,6 +80,12 @@ def test_generated_strategies_match_the_golden_losses(rendered, name):
 def test_generated_float8_converts_trains_and_checkpoints(rendered, name):
     out = run_generated(rendered[name], "-m", "", "tests/test_float8.py")
     assert "6 passed" in out and "skipped" not in out, out[-2000:]
+
+
+@pytest.mark.parametrize("name", SFT)
+def test_generated_sft_masks_packs_and_matches_one_process(rendered, name):
+    out = run_generated(rendered[name], "-m", "", "tests/test_sft.py")
+    assert "13 passed" in out and "skipped" not in out, out[-2000:]
 
 
 @pytest.mark.parametrize("name", TENSOR_PARALLEL)

@@ -220,6 +220,7 @@ def test_impossible_picks_on_cpu_ranks_and_for_an_image_model(session, tmp_path)
     s.pick("vit-debug")
     run_to(s, "data_source", {})
     assert "token data" in pick_disabled(s, "memmap")
+    assert "token data" in pick_disabled(s, "sft")
     s.accept()
     run_to(s, "backend", {})
     for backend in ["nccl", "xccl"]:

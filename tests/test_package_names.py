@@ -45,16 +45,23 @@ def test_every_module_a_render_imports_is_on_the_list(rendered):
     assert needed - set(NAMES.SHADOWED) == set()
 
 
-def test_every_name_on_the_list_is_refused_with_a_name_that_works(tmp_path):
-    for i, name in enumerate(REFUSED):
-        dst = tmp_path / f"p{i}"
-        with pytest.raises(ValueError) as refusal:
-            render(dst, {"package_name": name})
-        message = str(refusal.value)
-        assert "'package_name'" in message and f"'{name}'" in message, message
+def test_every_name_on_the_list_is_refused_with_a_name_that_works():
+    # copier.yml's validator is this macro; test_a_refused_name_stops_the_render shows copier applies it.
+    for name in REFUSED:
+        message = hook("names", "check_package_name", name, "x")
+        assert f"'{name}'" in message, (name, message)
         suggestion = re.search(r"\(e\.g\. (\w+)\)", message).group(1)
         assert hook("names", "check_package_name", suggestion, "x") == "", (name, suggestion)
-        assert not dst.exists()
+
+
+@pytest.mark.parametrize("name", ["logging", "launch", "class"])
+def test_a_refused_name_stops_the_render(tmp_path, name):
+    dst = tmp_path / "p"
+    with pytest.raises(ValueError) as refusal:
+        render(dst, {"package_name": name})
+    message = str(refusal.value)
+    assert "'package_name'" in message and f"'{name}'" in message, message
+    assert not dst.exists()
 
 
 @pytest.mark.parametrize(

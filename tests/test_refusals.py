@@ -96,6 +96,7 @@ REFUSED = {
     "zero_gpu_memory": ({"gpu_memory_gb": 0}, "gpu_memory_gb", "between 1 and 1024"),
     "sequence_too_long": ({"model_size": "debug", "seq_len": 128}, "seq_len", "max_seq_len"),
     "unknown_size": ({"model_size": "13b"}, "model_size", "13b"),
+    "chats_for_an_image_model": ({"model_type": "vit", "data_source": "sft"}, "data_source", "token data"),
 }
 
 

@@ -182,12 +182,12 @@ class CheckpointConfig:
 
 @dataclass
 class DataConfig:
-    source: Literal["synthetic", "memmap", "synthetic_images", "image_folder"] = "synthetic"
-    """synthetic (learnable tokens), memmap (a token .bin file), synthetic_images, image_folder (<class>/*.png)."""
+    source: Literal["synthetic", "memmap", "sft", "synthetic_images", "image_folder"] = "synthetic"
+    """synthetic (learnable tokens), memmap (a token file), sft (chats), synthetic_images, image_folder (<class>/*)."""
     path: str = ""
-    """memmap: the token file (`python -m <package>.data prepare` writes one); image_folder: the root folder."""
+    """memmap, sft: the token file (`python -m <package>.data prepare` writes it and sft's mask); image_folder: root."""
     dtype: Literal["uint16", "uint32"] = "uint16"
-    """memmap: token dtype of the file (uint16 for vocabularies up to 65536)."""
+    """memmap, sft: token dtype of the file (uint16 for vocabularies up to 65536)."""
     shard_by: Literal["global", "rank"] = "global"
     """global: every rank slices the same global batches; rank: each rank reads its own contiguous part."""
     uneven_inputs: Literal["min", "join"] = "min"
@@ -205,7 +205,7 @@ class EvalConfig:
     batches: int = 10
     """Global batches per evaluation: the same held-out batches every time, at any world size."""
     path: str = ""
-    """memmap: a held-out token file (`data prepare` writes val.bin); image_folder: a held-out <class>/<image> tree."""
+    """memmap, sft: a held-out token file (`data prepare` writes val.bin); image_folder: a <class>/<image> tree."""
     fraction: float = 0.05
     """Without eval.path: the share of data.path (its tail) held out for validation and never trained on."""
     only: bool = False
@@ -292,7 +292,11 @@ class Config:
                 images == (spec.inputs == "images"),
                 f"data.source={d.source} does not feed model.name={m.name}, which takes {spec.inputs}",
             )
-        require(d.source not in ("memmap", "image_folder") or bool(d.path), f"data.source={d.source} needs data.path")
+        require(
+            d.source not in ("memmap", "sft", "image_folder") or bool(d.path), f"data.source={d.source} needs data.path"
+        )
+        # sft's loss divides by the step's scored targets over all ranks: one all-reduce that a rank
+        # whose data ran out could not join.
         require(
             d.shard_by != "rank" or d.source == "memmap",
             f"data.shard_by=rank needs data.source=memmap, not {d.source}",
@@ -377,10 +381,10 @@ class Config:
             errors.append(f"eval.batches={e.batches} must be at least 1")
         if not 0 <= e.fraction < 1:
             errors.append(f"eval.fraction={e.fraction} must be in [0, 1): the share of data.path held out")
-        files = d.source in ("memmap", "image_folder")
+        files = d.source in ("memmap", "sft", "image_folder")
         if e.path and not files:
             errors.append(
-                f"eval.path is for data.source=memmap or image_folder; {d.source} data holds out its own seed: "
+                f"eval.path is for data.source=memmap, sft or image_folder; {d.source} data holds out its own seed: "
                 "remove eval.path"
             )
         if files and e.enabled and not e.path:

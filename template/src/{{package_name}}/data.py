@@ -16,26 +16,34 @@ random streams of its own, token files and image folders from `eval.path` or, wi
 the tail of `data.path` (`eval.fraction`), which training then leaves out.
 
     python -m <package>.data prepare --dataset DIR --tokenizer DIR --out tokens.bin
+    python -m <package>.data prepare --jsonl chats.jsonl --tokenizer DIR --out sft.bin
 
-turns a local Hugging Face dataset and tokenizer into a token file for `data.source = "memmap"`,
-and a held-out share of its rows into val.bin beside it (for `eval.path`).
+turn a local Hugging Face dataset and tokenizer into a token file for `data.source = "memmap"`,
+or chats into a token file and its mask of scored targets for `data.source = "sft"` (prepare_sft),
+and a held-out share of their rows into val.bin beside it (for `eval.path`).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import math
+import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from .config import Config, UsageError
+from .config import EXIT_USAGE, Config, UsageError
 
 logger = logging.getLogger(__name__)
 Batch = tuple[torch.Tensor, torch.Tensor]
+IGNORE_INDEX = -100
+"""A target that is not scored (data.source = "sft": prompts, example starts): F.cross_entropy's ignore_index."""
+TOKEN_FILES = ("memmap", "sft")
+"""Sources that read a token file from data.path (sft also its mask beside it, mask_path)."""
 
 
 def _generator(seed: int, index: int) -> torch.Generator:
@@ -82,9 +90,7 @@ class MemmapTokens:
     ):  # fmt: skip
         if not path.is_file():
             raise UsageError(f"data.path={path}: no such token file (python -m {__package__}.data prepare writes one)")
-        tokens = np.memmap(path, dtype=dtype, mode="r")
-        cut = len(tokens) - int(len(tokens) * tail)
-        tokens = tokens[cut:] if held_out else tokens[:cut]
+        tokens = _split(np.memmap(path, dtype=dtype, mode="r"), tail, held_out)
         if part is not None:  # this rank's contiguous slice of one shared file
             index, count = part
             tokens = tokens[index * len(tokens) // count : (index + 1) * len(tokens) // count]
@@ -97,15 +103,66 @@ class MemmapTokens:
     def __len__(self) -> int:
         return self.windows
 
-    def window(self, sample: int, shuffle: bool = True) -> torch.Tensor:
+    def start(self, sample: int, shuffle: bool = True) -> int:
+        """Where sample `sample`'s window of seq_len + 1 tokens starts in self.tokens."""
         epoch, position = divmod(sample, self.windows)
         w = int(torch.randperm(self.windows, generator=_generator(self.seed, epoch))[position]) if shuffle else position
-        chunk = self.tokens[w * self.seq_len : w * self.seq_len + self.seq_len + 1]
-        return torch.from_numpy(chunk.astype(np.int64))
+        return w * self.seq_len
+
+    def window(self, sample: int, shuffle: bool = True) -> torch.Tensor:
+        start = self.start(sample, shuffle)
+        return torch.from_numpy(self.tokens[start : start + self.seq_len + 1].astype(np.int64))
 
     def batch(self, index: int, size: int, shuffle: bool = True) -> Batch:
         tokens = torch.stack([self.window(index * size + i, shuffle) for i in range(size)])
         return tokens[:, :-1], tokens[:, 1:]
+
+
+def _split(array: np.ndarray, tail: float, held_out: bool) -> np.ndarray:
+    """The last `tail` share of `array` when `held_out`, else the rest."""
+    cut = len(array) - int(len(array) * tail)
+    return array[cut:] if held_out else array[:cut]
+
+
+def mask_path(path: Path) -> Path:
+    """The mask beside an sft token file (sft.bin -> sft.mask.bin): one uint8 per token, 1 where it is scored."""
+    return path.with_name(f"{path.stem}.mask{path.suffix}")
+
+
+class MaskedTokens(MemmapTokens):
+    """data.source = "sft": windows of packed chats, whose unscored targets are IGNORE_INDEX.
+
+    The mask (mask_path) marks token i when it is scored as the prediction made at token i - 1:
+    the assistant turns, never an example's first token. So no scored target is predicted from
+    another example's tokens; attention still sees the earlier examples of the window (no
+    document mask: TROUBLESHOOTING.md).
+    """
+
+    def __init__(self, path: Path, dtype: str, seq_len: int, seed: int, tail: float = 0.0, held_out: bool = False):
+        super().__init__(path, dtype, seq_len, seed, tail=tail, held_out=held_out)
+        check_mask(path, dtype)
+        self.mask = _split(np.memmap(mask_path(path), dtype=np.uint8, mode="r"), tail, held_out)
+
+    def batch(self, index: int, size: int, shuffle: bool = True) -> Batch:
+        starts = [self.start(index * size + i, shuffle) for i in range(size)]
+        tokens = torch.stack([torch.from_numpy(self.tokens[s : s + self.seq_len + 1].astype(np.int64)) for s in starts])
+        scored = torch.stack([torch.from_numpy(self.mask[s + 1 : s + self.seq_len + 1] != 0) for s in starts])
+        return tokens[:, :-1], tokens[:, 1:].masked_fill(~scored, IGNORE_INDEX)
+
+
+def check_mask(path: Path, dtype: str, key: str = "") -> None:
+    """sft: refuse a token file (config key `key`) without its mask beside it, or with a mask of another length."""
+    mask, name = mask_path(path), f"{key}={path}" if key else str(path)
+    if not mask.is_file():
+        raise UsageError(
+            f"{name} has no mask {mask} beside it: python -m {__package__}.data prepare --jsonl writes both"
+        )
+    tokens, marks = path.stat().st_size // np.dtype(dtype).itemsize, mask.stat().st_size
+    if marks != tokens:
+        raise UsageError(
+            f"{mask} marks {marks} tokens but {name} holds {tokens} {dtype} tokens: set data.dtype to the one "
+            "data prepare printed, or prepare both files again"
+        )
 
 
 class SyntheticImages:
@@ -233,7 +290,7 @@ def agree_on_steps(loader: Loader, steps: int, device: torch.device) -> int:
 def data_path(cfg: Config, rank: int) -> Path | None:
     """The file or folder this rank reads (a file per rank when data.path has `{rank}`); None for generated data."""
     d = cfg.data
-    if d.source not in ("memmap", "image_folder"):
+    if d.source not in (*TOKEN_FILES, "image_folder"):
         return None
     return Path(d.path.format(rank=rank) if d.shard_by == "rank" and "{rank}" in d.path else d.path)
 
@@ -244,22 +301,27 @@ def check_data(cfg: Config, rank: int, world_size: int) -> None:
     path = data_path(cfg, rank)
     if path is None:
         return
-    if cfg.data.source == "memmap":
+    d = cfg.data
+    if d.source in TOKEN_FILES:
         what = f"token file (python -m {__package__}.data prepare writes one)"
     else:
         what = "image folder (<class>/<image> files)"
     if not path.exists():
         raise UsageError(f"data.path={path}: no such {what}; point data.path at it")
+    if d.source == "sft":
+        check_mask(path, d.dtype, "data.path")
     e = cfg.eval
     if e.enabled and e.path:
         if not Path(e.path).exists():
             raise UsageError(f"eval.path={e.path}: no such held-out {what}; point eval.path at it")
-        if cfg.data.source == "image_folder" and list(_image_files(Path(e.path))) != list(_image_files(path)):
+        if d.source == "sft":
+            check_mask(Path(e.path), d.dtype, "eval.path")
+        if d.source == "image_folder" and list(_image_files(Path(e.path))) != list(_image_files(path)):
             raise UsageError(
                 f"eval.path={e.path} has classes {list(_image_files(Path(e.path)))}, data.path={path} has "
                 f"{list(_image_files(path))}: the labels would not match; give both the same class folders"
             )
-    elif e.enabled and cfg.data.source == "memmap" and path.is_file():
+    elif e.enabled and d.source in TOKEN_FILES and path.is_file():
         tokens = path.stat().st_size // np.dtype(cfg.data.dtype).itemsize
         if int(tokens * e.fraction) < cfg.train.seq_len + 1:
             raise UsageError(
@@ -275,6 +337,8 @@ def build_loader(cfg: Config, rank: int, world_size: int, device: torch.device) 
         per_rank_file = d.shard_by == "rank" and "{rank}" in d.path
         part = (rank, world_size) if d.shard_by == "rank" and not per_rank_file else None
         source = MemmapTokens(path, d.dtype, t.seq_len, t.seed, part, tail=held_out_tail(cfg))
+    elif d.source == "sft":
+        source = MaskedTokens(path, d.dtype, t.seq_len, t.seed, tail=held_out_tail(cfg))
     elif d.source == "synthetic_images":
         source = SyntheticImages(m.image_size, m.channels, m.num_classes, t.seed)
     elif d.source == "image_folder":
@@ -327,6 +391,8 @@ def build_held_out(cfg: Config, rank: int, world_size: int, device: torch.device
     tail, held_out = held_out_tail(cfg), not e.path  # without eval.path: the tail that training leaves out
     if d.source == "memmap":
         source = MemmapTokens(root, d.dtype, t.seq_len, t.seed, tail=tail, held_out=held_out)
+    elif d.source == "sft":
+        source = MaskedTokens(root, d.dtype, t.seq_len, t.seed, tail=tail, held_out=held_out)
     elif d.source == "synthetic_images":
         source = SyntheticImages(m.image_size, m.channels, m.num_classes, t.seed, held_out=True)
     elif d.source == "image_folder":
@@ -342,15 +408,23 @@ def build_held_out(cfg: Config, rank: int, world_size: int, device: torch.device
     return HeldOut(Loader(source, cfg, rank, world_size, device, rank_sharded=False), e.batches, e.interval)
 
 
+def _tokenizer(path: Path):
+    """The tokenizer in a local directory (nothing is downloaded)."""
+    from transformers import AutoTokenizer
+
+    if not path.is_dir():
+        raise UsageError(f"--tokenizer {path}: no such directory (a local tokenizer, as save_pretrained writes it)")
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
 def prepare(
     dataset: Path, tokenizer: Path, out: Path, text_column: str = "text", val_fraction: float = 0.01, seed: int = 0
 ) -> int:
     """Tokenize a local Hugging Face dataset into a flat token file, and a held-out share of its rows
     (picked at random with `seed`) into val.bin beside it; return the training token count."""
     from datasets import load_from_disk
-    from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(tokenizer, local_files_only=True)
+    tok = _tokenizer(tokenizer)
     data = load_from_disk(str(dataset))
     splits = {out: data}
     if val_fraction > 0:
@@ -359,6 +433,7 @@ def prepare(
     dtype = np.uint16 if len(tok) <= 2**16 else np.uint32
     eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
     counts = []
+    out.parent.mkdir(parents=True, exist_ok=True)
     for path, rows in splits.items():
         ids = [i for row in rows[text_column] for i in tok(row)["input_ids"] + eos]
         np.asarray(ids, dtype=dtype).tofile(path)
@@ -367,19 +442,154 @@ def prepare(
     return counts[0]
 
 
+ROW_FORMS = '{"messages": [{"role": ..., "content": ...}, ...]} or {"prompt": ..., "response": ...}'
+"""The rows of a JSONL file of chats that `data prepare --jsonl` reads."""
+
+
+def read_chats(jsonl: Path) -> list[tuple[str, list[dict]]]:
+    """(file:line, messages) for every row of a JSONL file of chats; a bad row is refused by its file:line.
+
+    A row is {"messages": [{"role": ..., "content": ...}, ...]} (any roles the chat template knows,
+    at least one "assistant"), or {"prompt": ..., "response": ...}: a user turn and the reply.
+    """
+    if not jsonl.is_file():
+        raise UsageError(f"--jsonl {jsonl}: no such file")
+    chats = []
+    with jsonl.open(encoding="utf-8") as lines:
+        for number, line in enumerate(lines, 1):
+            where = f"{jsonl}:{number}"
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line.rstrip("\r\n"))
+            except json.JSONDecodeError as error:
+                raise UsageError(f"{where}: not JSON ({error.msg} at column {error.colno})") from None
+            chats.append((where, _messages(row, where)))
+    if not chats:
+        raise UsageError(f"--jsonl {jsonl}: no rows")
+    return chats
+
+
+def _messages(row, where: str) -> list[dict]:
+    """A row's chat as a list of messages; UsageError naming the row when it is neither form."""
+    if isinstance(row, dict) and "messages" not in row and {"prompt", "response"} <= row.keys():
+        if isinstance(row["prompt"], str) and isinstance(row["response"], str):
+            return [{"role": "user", "content": row["prompt"]}, {"role": "assistant", "content": row["response"]}]
+    messages = row.get("messages") if isinstance(row, dict) else None
+    if not isinstance(messages, list) or not messages:
+        got = f"keys {sorted(row)}" if isinstance(row, dict) else f"a JSON {type(row).__name__}"
+        raise UsageError(f"{where}: expected {ROW_FORMS} with strings for values, got {got}")
+    for i, message in enumerate(messages, 1):
+        if not (isinstance(message, dict) and all(isinstance(message.get(k), str) for k in ("role", "content"))):
+            got = json.dumps(message)[:80]
+            raise UsageError(f'{where}: message {i} needs a string "role" and "content", got {got}')
+    if not any(message["role"] == "assistant" for message in messages):
+        raise UsageError(f"{where}: no assistant message; SFT scores only the assistant's turns, so it teaches nothing")
+    return messages
+
+
+def encode_chat(tok, messages: list[dict], where: str) -> tuple[list[int], list[int]]:
+    """One chat's token ids, rendered with the tokenizer's own chat template, and its mask: 1 on the tokens
+    of every assistant turn, its end marker included, 0 elsewhere and always on the first token.
+
+    A turn's characters are what rendering the chat through it adds to rendering it up to the turn's
+    generation prompt; a token is the turn's when it starts there (the tokenizer's offsets).
+    """
+    from jinja2 import TemplateError
+
+    def render(upto: int, generation_prompt: bool) -> str:
+        try:
+            return tok.apply_chat_template(messages[:upto], tokenize=False, add_generation_prompt=generation_prompt)
+        except (TemplateError, ValueError) as error:  # the template's raise_exception, or a Jinja error
+            raise UsageError(f"{where}: the tokenizer's chat template refused this chat: {error}") from None
+
+    text, spans = render(len(messages), False), []
+    for i, message in enumerate(messages):
+        if message["role"] == "assistant":
+            before, through = render(i, True), render(i + 1, False)
+            if not (through.startswith(before) and text.startswith(through)):
+                raise UsageError(
+                    f"{where}: the chat template renders message {i + 1} (assistant) differently once the chat goes "
+                    "on (it rewrites earlier turns), so that turn's tokens cannot be found: use a chat template that "
+                    "renders earlier turns as they are (TROUBLESHOOTING.md)"
+                )
+            spans.append((len(before), len(through)))
+    encoded = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    mask = [int(any(a <= start < b for a, b in spans)) for start, _ in encoded["offset_mapping"]]
+    if len(mask) < 2 or not any(mask[1:]):
+        raise UsageError(f"{where}: its assistant turns render to no tokens after the first; nothing would be scored")
+    mask[0] = 0  # an example's first token would be predicted from the previous example's last
+    return encoded["input_ids"], mask
+
+
+def prepare_sft(jsonl: Path, tokenizer: Path, out: Path, val_fraction: float = 0.01, seed: int = 0) -> int:
+    """Render every chat of a JSONL file with the tokenizer's chat template and pack them, in file order,
+    into a token file and its mask of scored targets (mask_path); a held-out share of the rows (picked at
+    random with `seed`) goes to val.bin and its mask beside it. Return the training token count.
+
+    Every row is read and checked before anything is written.
+    """
+    chats = read_chats(jsonl)  # before the tokenizer loads: a bad row is refused at once
+    tok = _tokenizer(tokenizer)
+    if not getattr(tok, "chat_template", None):
+        raise UsageError(f"--tokenizer {tokenizer} has no chat template (chat_template in tokenizer_config.json)")
+    if not tok.is_fast:
+        raise UsageError(f"--tokenizer {tokenizer} is not a fast tokenizer (tokenizer.json): its offsets are needed")
+    examples = [encode_chat(tok, messages, where) for where, messages in chats]
+    held_out: set[int] = set()
+    if val_fraction > 0:
+        count = math.ceil(len(examples) * val_fraction)
+        if count >= len(examples):
+            raise UsageError(
+                f"--val-fraction {val_fraction} of {len(examples)} rows leaves none to train on: add rows, lower "
+                "--val-fraction, or pass 0 and set eval.interval = 0"
+            )
+        held_out = set(np.random.default_rng(seed).permutation(len(examples))[:count].tolist())
+    splits = {out: [e for i, e in enumerate(examples) if i not in held_out]}
+    if held_out:
+        splits[out.with_name("val.bin")] = [examples[i] for i in sorted(held_out)]
+    dtype = np.dtype(np.uint16 if len(tok) <= 2**16 else np.uint32)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for path, part in splits.items():
+        ids, mask = [t for e in part for t in e[0]], [m for e in part for m in e[1]]
+        np.asarray(ids, dtype=dtype).tofile(path)
+        np.asarray(mask, dtype=np.uint8).tofile(mask_path(path))
+        print(
+            f"wrote {len(part)} chats, {len(ids)} {dtype.name} tokens ({sum(mask)} scored), to {path} and "
+            f"{mask_path(path)} (data.dtype = {dtype.name!r})"
+        )
+    return sum(len(e[0]) for e in splits[out])
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Data tools.")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("prepare", help="tokenize a local Hugging Face dataset into a token file")
-    p.add_argument("--dataset", type=Path, required=True, help="a directory written by datasets' save_to_disk")
+    p = sub.add_parser("prepare", help="tokenize a local Hugging Face dataset, or a JSONL of chats, into a token file")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument(
+        "--dataset", type=Path, help="a directory written by datasets' save_to_disk (for data.source = memmap)"
+    )
+    source.add_argument(
+        "--jsonl", type=Path, help='chats, one per line: {"messages": [...]} or {"prompt": ..., "response": ...} '
+        "(for data.source = sft; writes the mask of scored tokens beside --out)",
+    )  # fmt: skip
     p.add_argument("--tokenizer", type=Path, required=True, help="a local tokenizer directory")
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--text-column", default="text")
+    p.add_argument("--text-column", default="text", help="--dataset: the column holding the text")
     p.add_argument("--val-fraction", type=float, default=0.01, help="share of rows held out into val.bin beside --out")
     args = parser.parse_args(argv)
     if args.out.name == "val.bin" and args.val_fraction > 0:
         parser.error("--out val.bin is where the held-out rows go: name the training file otherwise")
-    prepare(args.dataset, args.tokenizer, args.out, args.text_column, args.val_fraction)
+    if not 0 <= args.val_fraction < 1:
+        parser.error(f"--val-fraction {args.val_fraction} must be in [0, 1)")
+    try:
+        if args.jsonl:
+            prepare_sft(args.jsonl, args.tokenizer, args.out, args.val_fraction)
+        else:
+            prepare(args.dataset, args.tokenizer, args.out, args.text_column, args.val_fraction)
+    except UsageError as error:  # one line, no traceback, exit 2 (as the trainer's refusals)
+        print(f"{__package__}.data prepare: error: {error}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE) from None
 
 
 if __name__ == "__main__":

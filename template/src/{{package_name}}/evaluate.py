@@ -2,6 +2,7 @@
 
 Each rank sums the loss and counts the correct predictions and the targets of its slice; one
 all-reduce of those sums gives the mean over every held-out target, the same at 1, 2 or 4 ranks.
+Targets that are not scored (data.IGNORE_INDEX: the prompts of sft chats) count nowhere.
 It runs under no_grad with the model in eval mode, draws no random numbers and reads its own
 loader, so training goes on exactly as it would have without it.
 """
@@ -22,6 +23,7 @@ from torch import nn
 
 from .checkpoint import verify
 from .config import Config, UsageError
+from .data import IGNORE_INDEX
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -77,7 +79,7 @@ def evaluate(
                     classifier, flat = targets.ndim == 1, targets.flatten()
                     totals[0] += F.cross_entropy(logits, flat, reduction="sum").double()
                     totals[1] += (logits.argmax(-1) == flat).sum()
-                    totals[2] += flat.numel()
+                    totals[2] += (flat != IGNORE_INDEX).sum()  # every target, but the unscored ones of sft
     finally:
         model.train(was_training)
     if dist.is_initialized():

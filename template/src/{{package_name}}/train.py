@@ -17,6 +17,7 @@ import json
 import logging
 import math
 import sys
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +34,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from .checkpoint import CheckpointManager, FaultHook, TrainState, check_resume
 from .config import EXIT_USAGE, Config, UsageError, load_config, reports_errors
-from .data import HeldOut, agree_on_steps, build_held_out, build_loader, check_data
+from .data import IGNORE_INDEX, HeldOut, agree_on_steps, build_held_out, build_loader, check_data
 from .distributed import (
     DistEnv,
     LoopControl,
@@ -150,28 +151,56 @@ class StepContext:
     """fp16 only: scales the loss so small gradients survive, skips steps that overflow."""
     max_grad_norm: float
     device: torch.device
+    scored_targets_only: bool = False
+    """Some targets are IGNORE_INDEX (data.source = "sft"): average over the step's scored targets instead."""
 
 
 @dataclass
 class StepResult:
     loss: torch.Tensor
-    """This rank's mean loss over its micro-batches (a detached scalar on the device)."""
+    """This rank's loss, whose mean over the ranks is the global batch's (a detached scalar on the device)."""
     grad_norm: float
     """Global gradient norm before clipping."""
     lr: float
     """Learning rate the step used."""
 
 
+def build_loss(micro_batches, ctx: StepContext) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The loss of one micro-batch (flat logits and targets), scaled so that the ranks' gradients, which
+    FSDP and DDP average, average to the gradient of the mean over every scored target of the global batch.
+
+    When every target is scored, every micro-batch has as many, and its mean / len does it. With
+    unscored targets (IGNORE_INDEX: data.source = "sft") micro-batches and ranks score different
+    numbers, and a mean per micro-batch or per rank would weigh a target by how few others share it:
+    each micro-batch's sum is divided by the step's scored targets on all ranks (one all-reduce) and
+    multiplied by the world size that the ranks' average divides by.
+    """
+    if not ctx.scored_targets_only:
+        return lambda logits, targets: F.cross_entropy(logits, targets) / len(micro_batches)
+    scored = torch.stack([(targets != IGNORE_INDEX).sum() for _, targets in micro_batches]).sum()
+    world = 1
+    if dist.is_initialized():
+        dist.all_reduce(scored)
+        world = dist.get_world_size()
+    # Tensor parallelism: a group's ranks count the same targets, and the group size cancels.
+    per_rank = scored.clamp(min=1) / world  # nothing scored in the whole step: a zero loss, not 0/0
+
+    def summed(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum") / per_rank
+
+    return summed
+
+
 def train_step(model: nn.Module, optimizer, scheduler, micro_batches, ctx: StepContext) -> StepResult:
     """One optimizer step over this rank's micro-batches; gradients are reduced on the last one."""
+    loss_of = build_loss(micro_batches, ctx)
     loss_sum = torch.zeros((), device=ctx.device)
     for i, (inputs, targets) in enumerate(micro_batches):
         sync = i == len(micro_batches) - 1 or ctx.sync_every_microbatch
         with ctx.strategy.gradient_sync(model, sync), ctx.strategy.autocast():
             logits = model(inputs)  # model(x), never model.forward(x): FSDP hooks live in __call__
-            # Each micro-batch contributes mean/len, so the sum is this rank's mean; FSDP and DDP
-            # average over ranks, so gradients are those of the global-batch mean.
-            loss = F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten()) / len(micro_batches)
+            # The micro-batch losses sum to this rank's share of the global-batch mean (build_loss).
+            loss = loss_of(logits.flatten(0, -2).float(), targets.flatten())
             (ctx.scaler.scale(loss) if ctx.scaler else loss).backward()
         loss_sum += loss.detach()
     if ctx.scaler:
@@ -237,6 +266,7 @@ def build_step_context(cfg: Config, env: DistEnv) -> StepContext:
         scaler=torch.amp.GradScaler(env.device.type) if p.mixed_precision == "fp16" else None,
         max_grad_norm=cfg.train.max_grad_norm,
         device=env.device,
+        scored_targets_only=cfg.data.source == "sft",
     )
 
 
