@@ -53,8 +53,15 @@ MATRIX = {
         "backend": "xccl",
         "launchers": ["kubernetes"],
     },
-    # Four Blackwell nodes on InfiniBand, Llama 70B.
-    "blackwell_70b": {"gpu_arch": "blackwell", "num_nodes": 4, "inter_node_link": "infiniband", "model_size": "70b"},
+    # Four Blackwell nodes on InfiniBand, Llama 70B: FSDP alone is communication-bound there, so
+    # groups of four GPUs split every layer (tensor parallelism, the planner's pick too).
+    "blackwell_70b": {
+        "gpu_arch": "blackwell",
+        "num_nodes": 4,
+        "inter_node_link": "infiniband",
+        "model_size": "70b",
+        "tensor_parallel": 4,
+    },
     # A transformers Qwen2 of the 8B shape, fine-tuned on chats (sft): on two 48 GB GPUs it only
     # fits with CPU offload (the planner's pick).
     "ada_offload": {
@@ -145,3 +152,7 @@ SFT = ["ada_offload"]
 # which the FULL renders leave out. Every llama and hf_causal_lm render has the code and the test
 # (with --finetune.method lora on its debug config); lora_8b_one_gpu renders the answer itself.
 LORA = ["cpu_debug"]
+# TENSOR_PARALLEL: FSDP x tensor parallelism on 4 CPU ranks (2 x 2) against the golden losses, its
+# checkpoints resharded and its export, which the FULL renders leave out (tests/test_tensor_parallel.py;
+# every render has it, and the preset configs of renders such as blackwell_70b set the degree).
+TENSOR_PARALLEL = ["cpu_debug"]

@@ -13,7 +13,7 @@ from conftest import TEMPLATE, render
 BASE = {
     "project_name": "proj", "package_name": "proj", "accelerator": "cuda", "gpu_arch": "hopper",
     "gpus_per_node": 8, "num_nodes": 2, "gpu_memory_gb": 80, "intra_node_link": "nvlink",
-    "inter_node_link": "infiniband", "model_type": "llama", "model_size": "1b", "seq_len": 4096,
+    "inter_node_link": "infiniband", "model_type": "llama", "model_size": "1b", "tensor_parallel": 1, "seq_len": 4096,
     "micro_batch_size": 2, "mixed_precision": "bf16", "activation_checkpointing": "none", "sharding": "full",
     "cpu_offload": False, "compile": True, "backend": "nccl", "init_method": "env", "checkpoint_format": "dcp",
     "checkpoint_interval": 500, "checkpoint_keep_last": 3, "checkpoint_export": "hf", "resume": "auto",
@@ -36,6 +36,7 @@ CHANGE = {
     "data_source": ({}, "memmap"),
     "logging": ({}, "wandb"),
     "model_size": ({}, "3b"),
+    "tensor_parallel": ({}, 2),
     "seq_len": ({}, 2048),
     "micro_batch_size": ({}, 1),
     "mixed_precision": ({}, "fp16"),

@@ -103,8 +103,10 @@ def test_volta_then_fp32_then_enter_completes_with_a_plan_that_fits(session, tmp
     assert s.finish() == 0
     answers = assert_valid_plan(tmp_path, tmp_path / "proj")
     assert answers["mixed_precision"] == "fp32" and answers["gpu_arch"] == "volta"
-    # 8b in fp32 needs 29.7 GiB at 8192 tokens on 8 x 32 GiB: the default sequence is one that fits.
-    assert (answers["model_size"], answers["seq_len"], answers["cpu_offload"]) == ("8b", 4096, True)
+    # 8b in fp32 needs 29.7 GiB at 8192 tokens per GPU on 8 x 32 GiB, too much even with offload: FSDP
+    # alone would halve the sequence; pairs of GPUs split each one (tensor parallelism) and keep 8192.
+    assert (answers["model_size"], answers["seq_len"], answers["tensor_parallel"]) == ("8b", 8192, 2)
+    assert answers["cpu_offload"]
 
 
 def pick_disabled(s: CopierSession, label: str) -> str:
@@ -125,6 +127,9 @@ def test_impossible_picks_on_one_gpu_node_are_disabled_or_refused(session, tmp_p
     run_to(s, "package_name", {})
     refusals["package_name=launch"] = s.type("launch")
     assert s.type("mymodel") == ""
+    run_to(s, "tensor_parallel", {})
+    refusals["tensor_parallel=3"] = s.type("3")  # a typed number: copier asks again
+    assert s.type("1") == ""
     run_to(s, "seq_len", {})
     refusals["seq_len=100000"] = s.type("100000")
     assert s.type("8192") == ""
@@ -152,6 +157,7 @@ def test_impossible_picks_on_one_gpu_node_are_disabled_or_refused(session, tmp_p
     assert s.finish() == 0
 
     assert "would shadow" in refusals["package_name=launch"] and "e.g. launch_train" in refusals["package_name=launch"]
+    assert "must divide gpus_per_node=8" in refusals["tensor_parallel=3"]
     assert "must be between 1 and 8192" in refusals["seq_len=100000"]
     assert NUMBERS.search(refusals["micro_batch_size=64"]) and "1 fits" in refusals["micro_batch_size=64"]
     assert "choose activation_checkpointing=selective" in refusals["activation_checkpointing=none"]

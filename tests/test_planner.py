@@ -261,6 +261,129 @@ def test_float8_all_gather_is_counted_alike_at_question_and_run_time(plan):
     assert plan.memory_plan(s, float8="rowwise", **kw).gathered == bf16.gathered  # rowwise gathers bf16
 
 
+def test_tensor_parallel_splits_what_one_rank_holds_by_hand(plan):
+    # Llama 3.1 70B on 4 nodes x 8 GPUs, 4 x 8192 tokens per group of 4 GPUs, full recomputation.
+    s = shape(plan, "70b")
+    kw = dict(seq_len=8192, micro_batch_size=4, precision="bf16", ac="full", sharding="full", cpu_offload=False,
+              gpus_per_node=8, num_nodes=4)  # fmt: skip
+    one, four = plan.memory_plan(s, **kw), plan.memory_plan(s, tensor_parallel=4, **kw)
+    assert four.params == one.params == 4 * s.P / 32  # 8 data-parallel ranks x 4: still 1/32 of the state each
+    assert four.gathered == one.gathered / 4 and four.gradbuf == one.gradbuf / 4  # the gathered blocks are split
+    # Per token and block: the norms (fp32, sequence-split), 2h gathered inputs kept whole, the rest split.
+    h, kv, f = 8192, 1024, 28672
+    none = plan.activation_bytes_per_token(s, "bf16", "none", 4)
+    assert none == 16 * h / 4 + 2 * (2 * h + (3 * h + 2 * kv + 4 * f) / 4) == 136_192
+    assert plan.activation_bytes_per_token(s, "bf16", "selective", 4) == 74_752
+    assert plan.activation_bytes_per_token(s, "bf16", "full", 4) == 2 * h / 4
+    tokens, logits = 4 * 8192, 128256 * (2 + 12)  # the logits stay whole on every rank
+    assert four.activations == tokens * (80 * 4096 + 136_192 + logits) == 74_037_854_208
+    # FSDP moves 1/4 of the parameters among 8 data-parallel ranks: 2P (two bf16 gathers + fp32 grads) x 7/8.
+    sent = plan.communication_bytes(s, "full", "bf16", 8, 4, tensor_parallel=4)
+    assert sent == {"intra": 0.0, "inter": 2 * s.P * 7 / 8}
+    # Tensor parallelism's own traffic, Llama 3.1 8B in pairs: 16384 tokens x 2 bytes x (4096 x (8 x 32 + 4)
+    # hidden states + 128256 logits) x 1/2.
+    assert plan.tensor_parallel_bytes(shape(plan, "8b"), "bf16", "none", 2, 16384) == 19_549_650_944
+
+
+def hardware_config(preset, precision, gpus, nodes, memory, intra, inter, arch):
+    from planpkg.config import Config, HardwareConfig, ModelConfig, ParallelConfig, TrainConfig
+
+    p = PRESETS[preset]
+    model = ModelConfig(**{k: v for k, v in p.items() if k not in ("seq_len", "micro_batch_size")}, preset=preset)
+    return Config(
+        model=model,
+        train=TrainConfig(seq_len=p["seq_len"], micro_batch_size=p["micro_batch_size"],
+                          global_batch_size=p["micro_batch_size"] * gpus * nodes),
+        parallel=ParallelConfig(mixed_precision=precision),
+        hardware=HardwareConfig(accelerator="cuda", gpu_arch=arch, gpus_per_node=gpus, num_nodes=nodes,
+                                gpu_memory_gb=memory, intra_node_link=intra if gpus > 1 else "",
+                                inter_node_link=inter if nodes > 1 else ""),
+    )  # fmt: skip
+
+
+def test_tensor_parallel_is_recommended_where_fsdp_alone_is_communication_bound(plan):
+    # One H100 node, Llama 3.1 8B: FSDP alone fits and its 0.28 s of traffic hides behind 1.0 s of compute.
+    cfg = hardware_config("8b", "bf16", 8, 1, 80, "nvlink", "", "hopper")
+    assert plan.tensor_parallel_degrees(cfg) == [1, 2, 4, 8]
+    one = plan.estimate_tensor_parallel(cfg, 1, 1)
+    assert one.fsdp_s < one.compute_s and plan.recommend_tensor_parallel(cfg, 1) == 1
+    # Four Blackwell nodes on InfiniBand, Llama 3.1 70B: FSDP alone sends 8P x 31/32 bytes per rank and step
+    # over 25 GB/s, four times its compute; groups of 4 divide that by 4 for 2.6 s of their own on NVLink.
+    cfg = hardware_config("70b", "bf16", 8, 4, 180, "nvlink", "infiniband", "blackwell")
+    one, four = plan.estimate_tensor_parallel(cfg, 1, 1), plan.estimate_tensor_parallel(cfg, 4, 1)
+    assert one.fsdp_s == pytest.approx(8 * shape(plan, "70b").P * 31 / 32 / 25e9) and one.fsdp_s > 4 * one.compute_s
+    assert (four.micro_batch_size, four.cpu_offload, four.tokens) == (4, False, one.tokens)  # the same global batch
+    assert four.step_s < one.step_s / 2 and plan.recommend_tensor_parallel(cfg, 1) == 4
+    # Where every degree needs CPU offload, offload decides nothing and 1 stays the cheapest (70B on one node).
+    cfg = hardware_config("70b", "bf16", 8, 1, 80, "nvlink", "", "hopper")
+    assert plan.estimate_tensor_parallel(cfg, 8, 1).cpu_offload and plan.recommend_tensor_parallel(cfg, 1) == 1
+    # Ethernet between nodes makes even 8B communication-bound.
+    ethernet = hardware_config("8b", "bf16", 8, 4, 80, "nvlink", "ethernet", "hopper")
+    assert plan.recommend_tensor_parallel(ethernet, 1) == 4
+    # Heads decide which degrees exist: 125m has 12 heads, so 8 is out.
+    assert plan.tensor_parallel_degrees(hardware_config("125m", "bf16", 8, 1, 80, "nvlink", "", "hopper")) == [1, 2, 4]
+
+
+TP_GRID = list(itertools.product(
+    [p for p in PRESETS if p != "debug"], ["bf16", "fp32"], ["none", "selective", "full"],
+    ["full", "shard_grad_op", "hybrid"], [False, True], [(8, 1), (8, 4)], [2, 8], [1, 4],
+))  # fmt: skip
+
+
+def test_question_time_and_run_time_agree_with_tensor_parallelism(plan):
+    fields = ["params", "grads", "optim", "grads_live", "gathered", "gradbuf", "activations", "host", "total"]
+    checked = 0
+    for preset, precision, ac, sharding, offload, (gpus, nodes), tp, accum in TP_GRID:
+        seq, mbs = PRESETS[preset]["seq_len"], PRESETS[preset]["micro_batch_size"]
+        q = json.loads(jinja("memory_plan", preset, seq, mbs, precision, ac, sharding, offload, gpus, nodes, accum,
+                             False, False, 0, "none", tp))  # fmt: skip
+        r = plan.memory_plan(shape(plan, preset), seq_len=seq, micro_batch_size=mbs, precision=precision, ac=ac,
+                             sharding=sharding, cpu_offload=offload, gpus_per_node=gpus, num_nodes=nodes,
+                             grad_accum=accum, tensor_parallel=tp)  # fmt: skip
+        for name in fields:
+            assert q[name] == pytest.approx(getattr(r, name), rel=1e-12), (preset, precision, ac, sharding, tp, name)
+        qc = json.loads(jinja("communication", preset, sharding, precision, gpus, nodes, False, "none", tp))
+        rc = plan.communication_bytes(shape(plan, preset), sharding, precision, gpus, nodes, tensor_parallel=tp)
+        assert qc == pytest.approx(rc, rel=1e-12), (preset, sharding, precision, gpus, nodes, tp)
+        qt = float(jinja("tp_communication", preset, precision, ac, tp, seq * mbs))
+        assert qt == pytest.approx(plan.tensor_parallel_bytes(shape(plan, preset), precision, ac, tp, seq * mbs))
+        checked += 1
+    assert checked == len(TP_GRID) > 1000
+
+
+def test_question_time_and_run_time_tensor_parallel_recommendations_agree(plan):
+    checked, picked = 0, set()
+    for preset, (gpus, nodes), memory, intra, inter in itertools.product(
+        ["1b", "8b", "70b"], [(4, 1), (8, 1), (8, 4)], [24, 80, 180], ["nvlink", "pcie"], ["infiniband", "ethernet"]
+    ):
+        if nodes == 1 and inter == "ethernet":
+            continue
+        p = PRESETS[preset]
+        cfg = hardware_config(preset, "bf16", gpus, nodes, memory, intra, inter, "hopper")
+        degrees = jinja("tp_degrees", preset, p["seq_len"], gpus, "cuda", "llama")
+        assert degrees == ",".join(map(str, plan.tensor_parallel_degrees(cfg)))
+        q = jinja("recommend_tp", preset, p["seq_len"], p["micro_batch_size"], "bf16", gpus, nodes, memory, intra,
+                  inter, "cuda", "hopper", "llama")  # fmt: skip
+        r = plan.recommend_tensor_parallel(cfg, p["micro_batch_size"])
+        assert int(q) == r, (preset, gpus, nodes, memory, intra, inter)
+        for t in plan.tensor_parallel_degrees(cfg):
+            qe = json.loads(jinja("tp_estimate", preset, p["seq_len"], p["micro_batch_size"], "bf16", gpus, nodes,
+                                  memory, intra, inter, "cuda", "hopper", t))  # fmt: skip
+            re_ = plan.estimate_tensor_parallel(cfg, t, p["micro_batch_size"])
+            assert bool(qe) == (re_ is not None)
+            if re_ is not None:
+                assert (qe["micro_batch_size"], qe["ac"], qe["sharding"], qe["offload"]) == (
+                    re_.micro_batch_size,
+                    re_.ac,
+                    re_.sharding,
+                    re_.cpu_offload,
+                )
+                assert qe["seconds_per_token"] == pytest.approx(re_.seconds_per_token, rel=1e-12)
+        picked.add(r)
+        checked += 1
+    assert checked == 72 and picked == {1, 2, 4, 8}, picked  # the grid reaches every degree
+
+
 # Literals that only hooks/presets.jinja may hold: every other file (copier.yml, the hooks, the
 # generated repo's code and docs) reads them from there, or from the presets.py rendered from it.
 HOOKS = JINJA.get_template("hooks/presets.jinja").module

@@ -65,6 +65,33 @@ REFUSED = {
         "cpu_offload",
         "needs a sharded mode",
     ),
+    "tensor_parallel_across_nodes": (
+        {"model_size": "8b", "tensor_parallel": 3},
+        "tensor_parallel",
+        "tensor_parallel=3 must divide gpus_per_node=8: a tensor-parallel group communicates in every layer and "
+        "stays within one node; answer one of 1, 2, 4, 8",
+    ),
+    "tensor_parallel_splits_heads": (
+        {"model_size": "125m", "tensor_parallel": 8},
+        "tensor_parallel",
+        "must divide the 125m preset's n_heads=12, n_kv_heads=12",
+    ),
+    "tensor_parallel_without_a_plan": (
+        {"model_type": "vit", "model_size": "vit-base", "tensor_parallel": 2},
+        "tensor_parallel",
+        "only the built-in Llama decoder has a tensor-parallel plan",
+    ),
+    "tensor_parallel_zero": ({"model_size": "8b", "tensor_parallel": 0}, "tensor_parallel", "must be at least 1"),
+    "tensor_parallel_with_ddp": (
+        {"model_size": "8b", "tensor_parallel": 2, "sharding": "no_shard"},
+        "sharding",
+        "no_shard (DDP) is not combined with tensor_parallel=2",
+    ),
+    "sequence_tensor_parallel_cannot_split": (
+        {"model_size": "8b", "tensor_parallel": 8, "seq_len": 8188},
+        "seq_len",
+        "must be a multiple of tensor_parallel=8",
+    ),
     "no_gpus": ({"gpus_per_node": 0}, "gpus_per_node", "between 1 and 128"),
     "zero_gpu_memory": ({"gpu_memory_gb": 0}, "gpu_memory_gb", "between 1 and 1024"),
     "sequence_too_long": ({"model_size": "debug", "seq_len": 128}, "seq_len", "max_seq_len"),
@@ -73,6 +100,8 @@ REFUSED = {
     "lora_for_vit": ({"model_type": "vit", "finetune": "lora"}, "finetune", "llama or hf_causal_lm, and vit has none"),
     "lora_for_custom": ({"model_type": "custom", "finetune": "lora"}, "finetune", "choose full"),
     "lora_with_float8": ({"finetune": "lora", "float8": "tensorwise"}, "float8", "with finetune=lora choose none"),
+    "lora_with_tensor_parallel": ({"finetune": "lora", "tensor_parallel": 2}, "tensor_parallel",
+                                  "not combined with finetune=lora"),
 }
 
 
@@ -115,6 +144,8 @@ HARDWARE = [
     {"accelerator": "xpu", "gpus_per_node": 2, "gpu_memory_gb": 16, "model_type": "vit"},
     {"gpus_per_node": 1, "gpu_memory_gb": 24, "finetune": "lora"},
     {"gpus_per_node": 2, "gpu_memory_gb": 40, "model_type": "hf_causal_lm", "finetune": "lora"},
+    # Ethernet between nodes: the planner splits layers within each node (tensor_parallel > 1).
+    {"num_nodes": 4, "inter_node_link": "ethernet", "gpu_memory_gb": 80, "model_type": "llama"},
 ]
 
 
@@ -125,3 +156,5 @@ def test_the_planners_defaults_are_always_allowed_and_fit(tmp_path, hardware):
     answers = answers_of(render(tmp_path / "p", hardware))
     assert misfit(answers) == "", answers
     assert {k: answers[k] for k in hardware} == hardware
+    if hardware.get("inter_node_link") == "ethernet" and hardware["model_type"] == "llama":
+        assert answers["tensor_parallel"] == 4 and answers["sharding"] != "no_shard", answers

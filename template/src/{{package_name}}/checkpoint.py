@@ -51,8 +51,8 @@ class TrainState(Stateful):
     The model and optimizer state come from the strategy (torch's distributed state-dict API, or
     ZeRO's per-rank shares in its layout): sharded DTensors under FSDP, so they reshard on load,
     and so does the position of global-batch data. Per-rank state (RNG, and the position of
-    per-rank data) is restored only when the world size is unchanged (set `restore_per_rank`
-    before loading).
+    per-rank data) is restored only when the world size and the tensor-parallel degree are
+    unchanged (set `restore_per_rank` before loading).
     """
 
     def __init__(self, model, optimizer, scheduler, loader, rank: int, strategy: Strategy):
@@ -164,10 +164,11 @@ class CheckpointManager:
     """
 
     def __init__(
-        self, cfg: CheckpointConfig, root: Path, rank: int, world_size: int, *, faults: FaultHook | None = None
-    ):
+        self, cfg: CheckpointConfig, root: Path, rank: int, world_size: int, tensor_parallel: int = 1, *,
+        faults: FaultHook | None = None,
+    ):  # fmt: skip
         self.cfg, self.root, self.rank, self.world_size = cfg, root, rank, world_size
-        self.faults = faults
+        self.tensor_parallel, self.faults = tensor_parallel, faults
         # Async saves run their collectives on a gloo group of their own, off the training stream.
         self.async_group = dist.new_group(backend="gloo") if cfg.format == "dcp_async" else None
         self.pending = None  # (future, partial dir, step) of an async save in flight
@@ -260,7 +261,8 @@ class CheckpointManager:
         if self.rank != 0:
             return
         files = {p.name: p.stat().st_size for p in partial.iterdir() if p.is_file()}
-        marker = {"step": step, "world_size": self.world_size, "torch": torch.__version__, "files": files}
+        marker = {"step": step, "world_size": self.world_size, "tensor_parallel": self.tensor_parallel,
+                  "torch": torch.__version__, "files": files}  # fmt: skip
         _write_durably(partial / MARKER, json.dumps(marker, indent=1))
         self._fault("marked", step)
         # A directory at the target is damaged (_save verified it): it would block the rename, so it
@@ -303,14 +305,15 @@ class CheckpointManager:
 
     def load(self, state: TrainState, path: Path) -> None:
         self._fault("load", None)
-        saved_world = json.loads((path / MARKER).read_text())["world_size"]
-        state.restore_per_rank = saved_world == self.world_size
+        marker = json.loads((path / MARKER).read_text())
+        saved = marker["world_size"], marker.get("tensor_parallel", 1)  # markers before tensor parallelism: 1
+        state.restore_per_rank = saved == (self.world_size, self.tensor_parallel)
         if not state.restore_per_rank:
             per_rank = "RNG states and per-rank data positions" if state.loader.rank_sharded else "RNG states"
             logger.warning(
-                "checkpoint %s was saved by %d ranks, this run has %d: model, optimizer, schedule and global data "
-                "position reshard; per-rank %s do not and are not restored",
-                path, saved_world, self.world_size, per_rank,
+                "checkpoint %s was saved by %d ranks (tensor parallel %d), this run has %d (tensor parallel %d): "
+                "model, optimizer, schedule and global data position reshard; per-rank %s do not and are not restored",
+                path, *saved, self.world_size, self.tensor_parallel, per_rank,
             )  # fmt: skip
         check_finetune_matches(path, state.model)
         state.saved_keys = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)

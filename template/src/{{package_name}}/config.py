@@ -19,11 +19,14 @@ import tomllib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import tyro
 
 from .presets import DEBUG_RUN, LLAMA_PRESETS, LORA, VIT_PRESETS
+
+if TYPE_CHECKING:
+    from .models.spec import ModelSpec
 
 # The defaults are the debug run's (configs/debug.toml), from presets.py.
 DEBUG, VIT_DEBUG = LLAMA_PRESETS["debug"], VIT_PRESETS["vit-debug"]
@@ -134,7 +137,7 @@ class ParallelConfig:
     sharding: Sharding = "full"
     """full (ZeRO-3), shard_grad_op (ZeRO-2), hybrid (HSDP: shard in a node, replicate across), no_shard (DDP)."""
     hsdp_shard_size: int = 0
-    """Ranks per shard group for hybrid; 0 uses the ranks of one node (LOCAL_WORLD_SIZE)."""
+    """Data-parallel ranks per shard group for hybrid; 0 uses one node's (LOCAL_WORLD_SIZE / tensor_parallel)."""
     reshard_size: int = 0
     """After forward, keep blocks gathered over groups of this many ranks (ZeRO++ hpZ); 0 follows sharding."""
     prefetch_blocks: int = 0
@@ -155,6 +158,8 @@ class ParallelConfig:
     """torch.compile backend; aot_eager checks graph capture without code generation."""
     float8: Literal["none", "tensorwise", "rowwise"] = "none"
     """torchao float8 matmuls in the blocks' linear layers (sm 8.9+): one scale per tensor, or per row."""
+    tensor_parallel: int = 1
+    """Ranks of one node that split every layer (tensor + sequence parallelism); FSDP shards across the groups."""
 
 
 @dataclass
@@ -294,6 +299,7 @@ class Config:
             errors.append(str(error))
         else:
             errors += spec.check(self)
+            errors += self.tensor_parallel_errors(spec)
             images = d.source in ("synthetic_images", "image_folder")
             require(
                 images == (spec.inputs == "images"),
@@ -391,6 +397,29 @@ class Config:
             errors.append(
                 f"finetune.method=lora with parallel.float8={self.parallel.float8}: float8 would replace the adapted "
                 "linear layers and drop their adapters; set parallel.float8=none"
+            )
+        if self.parallel.tensor_parallel > 1:
+            errors.append(
+                f"finetune.method=lora with parallel.tensor_parallel={self.parallel.tensor_parallel}: the adapters "
+                "are not split across a tensor-parallel group; set parallel.tensor_parallel=1 or finetune.method=full"
+            )
+        return errors
+
+    def tensor_parallel_errors(self, spec: ModelSpec) -> list[str]:
+        """What stops parallel.tensor_parallel from splitting this model (the world size is checked at launch)."""
+        p, degree = self.parallel, self.parallel.tensor_parallel
+        if degree == 1:
+            return []
+        if degree < 1:
+            return [f"parallel.tensor_parallel={degree} must be at least 1 (1: no tensor parallelism)"]
+        if spec.tp_plan is None:
+            return [f"parallel.tensor_parallel={degree} cannot split model.name={self.model.name}: {spec.tp_refusal}; "
+                    "set parallel.tensor_parallel=1"]  # fmt: skip
+        errors = spec.tp_plan.check(self, degree)
+        if p.sharding == "no_shard":
+            errors.append(
+                f"parallel.tensor_parallel={degree} needs FSDP across the tensor-parallel groups: sharding=no_shard "
+                "(DDP) is not combined with it; choose sharding=full, shard_grad_op or hybrid"
             )
         return errors
 

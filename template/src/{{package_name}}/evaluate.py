@@ -56,11 +56,14 @@ def evaluate(
     batches: Iterable[list[Batch]],
     device: torch.device,
     autocast: Callable[[], AbstractContextManager] = nullcontext,
+    group: dist.ProcessGroup | None = None,
 ) -> EvalResult:
     """Score every micro-batch of `batches` (each step's list), summed over ranks; call it on every rank.
 
     Every rank must pass the same number of batches: with FSDP each forward all-gathers.
     `autocast` is the strategy's: DDP computes in low precision under autocast, FSDP casts itself.
+    `group` holds the ranks that split the batches (the strategy's dp_group; None: all ranks):
+    the ranks of a tensor-parallel group score the same samples, so only one of each is summed.
     """
     started = time.perf_counter()
     was_training = model.training
@@ -80,7 +83,7 @@ def evaluate(
     finally:
         model.train(was_training)
     if dist.is_initialized():
-        dist.all_reduce(totals)
+        dist.all_reduce(totals, group=group)
     loss_sum, correct, count = totals.tolist()
     return EvalResult(loss_sum / count, correct / count, int(count), time.perf_counter() - started, classifier)
 

@@ -1,23 +1,36 @@
-"""Activation checkpointing, float8, compile and FSDP sharding, applied to a model on the meta device.
+"""Float8, tensor parallelism, activation checkpointing, compile and FSDP, applied to a model on the meta device.
 
-The order follows torchtitan: checkpoint each block, compile each block, then shard each block
-and finally the root. This is the only file that calls `fully_shard` (the FSDP strategy in
-strategy.py does, through apply_fsdp).
+The order follows torchtitan: float8 layers, then split each layer over the tensor-parallel
+ranks, checkpoint each block, compile each block, then shard each block and finally the root
+over the data-parallel ranks. This is the only file that calls `parallelize_module` and
+`fully_shard` (the FSDP strategy in strategy.py does, through apply_tp and apply_fsdp).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
+from collections.abc import Callable
 
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from .config import ParallelConfig, UsageError
+from .models.spec import TensorParallelPlan
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -90,6 +103,44 @@ def apply_float8(layers: nn.ModuleList, recipe: str, *, fsdp: bool) -> None:
 def float8_eligible(module: nn.Module, fqn: str) -> bool:
     """float8 matmuls need both sizes to be multiples of 16."""
     return isinstance(module, nn.Linear) and module.in_features % 16 == 0 and module.out_features % 16 == 0
+
+
+# The layouts a TensorParallelPlan names (models/spec.py), as torch's parallel styles. Shard(1) is
+# the sequence dimension of (batch, sequence, features) activations: sequence parallelism keeps
+# them split there between the blocks, and each split module all-gathers or reduce-scatters it.
+TP_STYLES: dict[str, Callable[[], ParallelStyle]] = {
+    "embedding": lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+    "sequence": SequenceParallel,
+    "gather": lambda: PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+    "colwise": ColwiseParallel,
+    "rowwise": lambda: RowwiseParallel(output_layouts=Shard(1)),
+    # Whole logits on every rank: the loss and validation read them as they are (no loss parallelism).
+    "head": lambda: ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+}
+
+
+def apply_tp(model: nn.Module, mesh: DeviceMesh, plan: TensorParallelPlan) -> None:
+    """Split the model's layers over the ranks of `mesh` (one tensor-parallel group) as its plan says."""
+    parallelize_module(model, mesh, {path: TP_STYLES[layout]() for path, layout in plan.root.items()})
+    for block in model.layers:
+        parallelize_module(block, mesh, {path: TP_STYLES[layout]() for path, layout in plan.block.items()})
+    # The embedding's output is DTensor.to_local()'s, a view; FSDP hooks its backward onto it, and
+    # a compiled first block then drops that gradient (the embedding would never learn). A copy
+    # (one micro-batch's hidden states, split by sequence) is not a view.
+    if (embed := model.get_input_embeddings()) is not None:
+        embed.register_forward_hook(lambda module, args, output: output.clone())
+    # Splitting the embedding and the head gave each a parameter of its own: tie them again (both
+    # are split by vocabulary row), so that FSDP keeps them in one group.
+    model.tie_weights()
+    # The head's logits are a view too (every rank gets them whole); FSDP warns that an in-place op
+    # on them would skip its backward hook. train_step and evaluate never modify them in place.
+    warnings.filterwarnings("ignore", r"FSDP2-wrapped module \(.*\) returned a view tensor", UserWarning)
+    whole = [name for name, param in model.named_parameters() if not isinstance(param, DTensor)]
+    if whole:
+        raise ValueError(
+            f"the tensor-parallel plan leaves {len(whole)} parameter(s) whole ({', '.join(whole[:3])}): "
+            "give their modules a layout in SPEC.tp_plan (models/spec.py TensorParallelPlan)"
+        )
 
 
 def apply_compile(layers: nn.ModuleList, backend: str) -> None:

@@ -35,6 +35,18 @@ dtype of p bytes and T = micro_batch_size * seq_len tokens, bytes per rank are:
                    selective  p (5h + 2kv + 2f)   block input + every matmul and attention output
                    full       p h                 block input, plus one block recomputed at a time
                  (tests/test_plan.py measures these with torch's MemTracker.)
+    tensor parallelism  with parallel.tensor_parallel = t, every block's matrices, the embedding
+                 and the head are split t ways within a node, and the shard group G counts
+                 data-parallel ranks (groups of t): params, grads and optim are over G t (the
+                 norms' few replicated weights are counted as split), gathered, gradbuf and
+                 FSDP's unsharded accumulation gradients over t. Sequence parallelism splits the
+                 activations between the blocks by sequence, so a becomes
+                   none       16h/t + p (2h + (3h + 2kv + 4f)/t)
+                   selective  p (2h + (3h + 2kv + 2f)/t)
+                   full       p h/t
+                 where 2h stays whole: the all-gathered inputs of attention and the feed-forward,
+                 which their first matmuls keep, and in selective the outputs of wo and w2 before
+                 their reduce-scatter. The logits stay whole on every rank (no loss parallelism).
 
 With LoRA (finetune.method=lora, models/lora.py) the P parameters are frozen and A adapter
 parameters train, Ab = A / L per block: r (in + out) for each adapted linear layer of rank r, so
@@ -61,12 +73,12 @@ from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from .config import Config, UsageError
-from .models import ModelShape
+from .models import ModelShape, model_spec
 from .presets import GPU_ARCHS, HEADROOM, LINK_GBPS, LORA, PEAK_TFLOPS
 
 logger = logging.getLogger(__name__)
@@ -102,26 +114,27 @@ class MemoryPlan:
         return self.total <= HEADROOM * gpu_memory_gb * GIB
 
 
-def shard_group(sharding: str, gpus_per_node: int, num_nodes: int) -> int:
-    """Ranks that share one copy of the model state."""
-    return {"hybrid": gpus_per_node, "no_shard": 1}.get(sharding, gpus_per_node * num_nodes)
+def shard_group(sharding: str, gpus_per_node: int, num_nodes: int, tensor_parallel: int = 1) -> int:
+    """Data-parallel ranks (tensor-parallel groups) that share one copy of the model state."""
+    per_node = gpus_per_node // tensor_parallel
+    return {"hybrid": per_node, "no_shard": 1}.get(sharding, per_node * num_nodes)
 
 
 def memory_plan(
     s: ModelShape, *, seq_len: int, micro_batch_size: int, precision: str, ac: str, sharding: str,
     cpu_offload: bool, gpus_per_node: int, num_nodes: int, grad_accum: int = 1, sync_every_microbatch: bool = False,
     zero_optimizer: bool = False, prefetch_blocks: int = 0, float8: str = "none", lora_rank: int = 0,
-    lora_targets: str = LORA["targets"],
+    lora_targets: str = LORA["targets"], tensor_parallel: int = 1,
 ) -> MemoryPlan:  # fmt: skip
     """Bytes per rank of each term (see the module docstring); lora_rank 0 is full fine-tuning."""
-    p = 4 if precision == "fp32" else 2
+    p, t = (4 if precision == "fp32" else 2), tensor_parallel
     adapters = adapter_params(s, lora_rank, lora_targets)  # per block
     trained, trained_block = (s.L * adapters, adapters) if lora_rank else (s.P, s.Pb)
-    block = block_gather_bytes(s, p, sharding, float8, adapters)
-    group = shard_group(sharding, gpus_per_node, num_nodes)
+    block = block_gather_bytes(s, p, sharding, float8, adapters) / t
+    group = shard_group(sharding, gpus_per_node, num_nodes, t)
     # LoRA stores the frozen weights in the compute dtype (models/lora.py's apply_frozen_dtype).
     stored = p * s.P + 4 * s.L * adapters if lora_rank else 4 * s.P
-    params, grads, optim = stored / group, 4 * trained / group, 8 * trained / group
+    params, grads, optim = stored / (group * t), 4 * trained / (group * t), 8 * trained / (group * t)
     if sharding == "no_shard" and zero_optimizer:
         optim = 8 * trained / (gpus_per_node * num_nodes)
     if grad_accum == 1 or (cpu_offload and (sync_every_microbatch or sharding == "hybrid")):
@@ -129,16 +142,16 @@ def memory_plan(
     elif sharding in ("no_shard", "hybrid") or sync_every_microbatch:
         grads_live = grads
     else:
-        grads_live = 4 * trained  # FSDP accumulates unsharded fp32 gradients while sync is off
+        grads_live = 4 * trained / t  # FSDP accumulates unsharded fp32 gradients while sync is off
     if sharding == "shard_grad_op":
-        gathered = s.L * block + s.Pn * p
+        gathered = s.L * block + s.Pn * p / t
     elif sharding == "no_shard":
-        gathered = trained * p if p < 4 else 0  # autocast's copies of the fp32 parameters
+        gathered = trained * p / t if p < 4 else 0  # autocast's copies of the fp32 parameters
     else:
-        gathered = (1 + max(prefetch_blocks, 1)) * block + s.Pn * p
-    gradbuf = 0 if sharding == "no_shard" else trained_block * (p + 4)
+        gathered = (1 + max(prefetch_blocks, 1)) * block + s.Pn * p / t
+    gradbuf = 0 if sharding == "no_shard" else trained_block * (p + 4) / t
     per_layer = functools.partial(activation_bytes_per_token, s, precision, lora_rank=lora_rank,
-                                  lora_targets=lora_targets)  # fmt: skip
+                                  lora_targets=lora_targets, tensor_parallel=t)  # fmt: skip
     tokens = (s.tokens or seq_len) * micro_batch_size
     logits = (s.logits or seq_len) * micro_batch_size
     extra = per_layer("none") if ac == "full" else 0  # the one block being recomputed in backward
@@ -168,34 +181,43 @@ def adapter_params(s: ModelShape, lora_rank: int, lora_targets: str) -> int:
 
 
 def activation_bytes_per_token(
-    s: ModelShape, precision: str, ac: str, lora_rank: int = 0, lora_targets: str = LORA["targets"]
-) -> int:
-    """Bytes one block keeps for backward, per token (the `a` of the module docstring)."""
-    p = 4 if precision == "fp32" else 2
+    s: ModelShape, precision: str, ac: str, lora_rank: int = 0, lora_targets: str = LORA["targets"],
+    tensor_parallel: int = 1,
+) -> float:  # fmt: skip
+    """Bytes one block keeps for backward, per token (the `a` of the module docstring).
+
+    LoRA and tensor parallelism are not combined (config.py refuses it), so each has its own formula.
+    """
+    p, t = (4 if precision == "fp32" else 2), tensor_parallel
     if ac == "none" and lora_rank:
         frozen_inputs = {"all": 0, "attention": s.h + s.f, "mlp": s.h}[lora_targets]
         adapted = adapter_layers(lora_targets) * lora_rank
         return 8 * s.h + p * (5 * s.h + 2 * s.kv + 4 * s.f - frozen_inputs + adapted)
     if ac == "none":
-        return 16 * s.h + p * (5 * s.h + 2 * s.kv + 4 * s.f)
+        return 16 * s.h / t + p * (2 * s.h + (3 * s.h + 2 * s.kv + 4 * s.f) / t)
     if ac == "selective":
-        return p * (5 * s.h + 2 * s.kv + 2 * s.f)
-    return p * s.h
+        return p * (2 * s.h + (3 * s.h + 2 * s.kv + 2 * s.f) / t)
+    return p * s.h / t
 
 
-def sharding_candidates(num_nodes: int, inter_node_link: str) -> tuple[str, ...]:
-    """Least communication first; hybrid ahead of full when the link between nodes is slow."""
+def sharding_candidates(num_nodes: int, inter_node_link: str, tensor_parallel: int = 1) -> tuple[str, ...]:
+    """Least communication first; hybrid ahead of full when the link between nodes is slow.
+
+    DDP (no_shard) is not combined with tensor parallelism.
+    """
     if num_nodes > 1 and inter_node_link == "ethernet":
-        return ("no_shard", "shard_grad_op", "hybrid", "full")
-    if num_nodes > 1:
-        return ("no_shard", "shard_grad_op", "full", "hybrid")
-    return ("no_shard", "shard_grad_op", "full")
+        order = ("no_shard", "shard_grad_op", "hybrid", "full")
+    elif num_nodes > 1:
+        order = ("no_shard", "shard_grad_op", "full", "hybrid")
+    else:
+        order = ("no_shard", "shard_grad_op", "full")
+    return order if tensor_parallel == 1 else order[1:]
 
 
 def grad_accum(cfg: Config) -> int:
     """Micro-batches per step on the planned world size (1 when the batch does not split)."""
-    world = cfg.hardware.gpus_per_node * cfg.hardware.num_nodes
-    return max(cfg.train.global_batch_size // (cfg.train.micro_batch_size * world), 1)
+    dp = cfg.hardware.gpus_per_node * cfg.hardware.num_nodes // cfg.parallel.tensor_parallel
+    return max(cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp), 1)
 
 
 def lora_of(cfg: Config, *, finetune: str | None = None) -> dict:
@@ -218,11 +240,12 @@ def plan_for(
         grad_accum=grad_accum(cfg), sync_every_microbatch=p.grad_sync_every_microbatch,
         zero_optimizer=p.zero_optimizer if zero_optimizer is None else zero_optimizer,
         prefetch_blocks=p.prefetch_blocks, float8=p.float8, **lora_of(cfg, finetune=finetune),
+        tensor_parallel=p.tensor_parallel,
     )  # fmt: skip
 
 
-def recommend(cfg: Config) -> tuple[str, str, bool]:
-    """The cheapest (activation checkpointing, sharding, offload) that fits the device.
+def cheapest(cfg: Config) -> tuple[str, str, bool] | None:
+    """The cheapest (activation checkpointing, sharding, offload) that fits the device; None if nothing does.
 
     Sharding harder is tried before recomputing (recomputation costs every step), and CPU
     offload only when nothing else fits. DDP with a ZeRO optimizer is never the pick:
@@ -230,45 +253,66 @@ def recommend(cfg: Config) -> tuple[str, str, bool]:
     reduce-scatter against an all-reduce and a broadcast).
     """
     hw = cfg.hardware
-    if hw.accelerator == "cpu":
-        return "none", "full", False
     for offload in (False, True):
         for ac in AC_MODES:
-            for sharding in sharding_candidates(hw.num_nodes, hw.inter_node_link):
+            for sharding in sharding_candidates(hw.num_nodes, hw.inter_node_link, cfg.parallel.tensor_parallel):
                 if offload and sharding == "no_shard":
                     continue
                 plan = plan_for(cfg, sharding=sharding, cpu_offload=offload, ac=ac, zero_optimizer=False)
                 if plan.fits(hw.gpu_memory_gb):
                     return ac, sharding, offload
-    return "full", "full", True
+    return None
+
+
+def recommend(cfg: Config) -> tuple[str, str, bool]:
+    """cheapest(cfg); on CPU ranks full sharding without recomputation; the most frugal plan when nothing fits."""
+    if cfg.hardware.accelerator == "cpu":
+        return "none", "full", False
+    return cheapest(cfg) or ("full", "full", True)
 
 
 def communication_bytes(
     s: ModelShape, sharding: str, precision: str, gpus_per_node: int, num_nodes: int, zero_optimizer: bool = False,
-    float8: str = "none", lora_rank: int = 0, lora_targets: str = LORA["targets"],
+    float8: str = "none", lora_rank: int = 0, lora_targets: str = LORA["targets"], tensor_parallel: int = 1,
 ) -> dict:  # fmt: skip
-    """Bytes each rank sends per optimizer step, within a node and across nodes (ring collectives).
+    """Bytes each rank sends per optimizer step for FSDP or DDP, within a node and across nodes (ring collectives).
 
     full and hybrid gather parameters twice (forward and backward) and reduce-scatter fp32
     gradients once; shard_grad_op gathers once; DDP all-reduces fp32 gradients (2x the data),
     and with ZeRO also broadcasts the fp32 parameters each rank updated. With LoRA only the
-    adapters have gradients and updates; the frozen weights are still gathered.
+    adapters have gradients and updates; the frozen weights are still gathered. With tensor
+    parallelism a rank moves only its group's 1/t of the parameters, among the data-parallel ranks.
     """
-    p = 4 if precision == "fp32" else 2
+    p, t = (4 if precision == "fp32" else 2), tensor_parallel
     world = gpus_per_node * num_nodes
     adapters = adapter_params(s, lora_rank, lora_targets)
     trained = s.L * adapters if lora_rank else s.P
-    gather = s.L * block_gather_bytes(s, p, sharding, float8, adapters) + s.Pn * p  # one all-gather of everything
+    gather = (s.L * block_gather_bytes(s, p, sharding, float8, adapters) + s.Pn * p) / t  # one all-gather of everything
     if sharding == "no_shard":
         volume, group = (3 if zero_optimizer else 2) * trained * 4, world
     elif sharding == "shard_grad_op":
-        volume, group = gather + trained * 4, world
+        volume, group = gather + trained * 4 / t, world // t
     else:
-        volume, group = 2 * gather + trained * 4, (gpus_per_node if sharding == "hybrid" else world)
+        volume, group = 2 * gather + trained * 4 / t, (gpus_per_node if sharding == "hybrid" else world) // t
     sent = volume * (group - 1) / group
     if sharding == "hybrid":  # plus the all-reduce of each shard across the nodes
         return {"intra": sent, "inter": 2 * (trained / gpus_per_node) * 4 * (num_nodes - 1) / num_nodes}
     return {"intra": sent if num_nodes == 1 else 0.0, "inter": sent if num_nodes > 1 else 0.0}
+
+
+def tensor_parallel_bytes(s: ModelShape, precision: str, ac: str, tensor_parallel: int, tokens: int) -> float:
+    """Bytes each rank sends per step for tensor parallelism, on the link inside its node (ring collectives).
+
+    In each block, forward all-gathers the sequence before attention and before the feed-forward
+    and reduce-scatters after wo and w2: four collectives of the hidden states, which backward
+    mirrors (eight; twelve when activation checkpointing runs the forward again). Around the
+    blocks, the embedding's reduce-scatter and the head's all-gather and their backward move the
+    hidden states four times more, and the head all-gathers the logits. `tokens`: what one
+    tensor-parallel group processes per step.
+    """
+    p, t = (4 if precision == "fp32" else 2), tensor_parallel
+    per_block = 8 if ac == "none" else 12
+    return tokens * p * (s.h * (per_block * s.L + 4) + s.V) * (t - 1) / t
 
 
 def step_seconds(s: ModelShape, cfg: Config, sharding: str, zero_optimizer: bool = False) -> tuple[float, float]:
@@ -276,6 +320,8 @@ def step_seconds(s: ModelShape, cfg: Config, sharding: str, zero_optimizer: bool
 
     6 FLOPs per parameter and token (forward, input and weight gradients); a frozen weight has no
     weight gradient, so with LoRA 4 per frozen parameter and 6 per adapter parameter.
+    Communication is FSDP's or DDP's, which overlaps with compute; tensor parallelism's, which
+    does not, is tensor_parallel_seconds.
     """
     hw, t, lora = cfg.hardware, cfg.train, lora_of(cfg)
     world = hw.gpus_per_node * hw.num_nodes
@@ -285,10 +331,107 @@ def step_seconds(s: ModelShape, cfg: Config, sharding: str, zero_optimizer: bool
     compute = flops * tokens_per_rank / (0.4 * ARCH_TFLOPS.get(hw.gpu_arch, ARCH_TFLOPS["ampere"]) * 1e12)
     p = cfg.parallel
     sent = communication_bytes(
-        s, sharding, p.mixed_precision, hw.gpus_per_node, hw.num_nodes, zero_optimizer, p.float8, **lora
+        s, sharding, p.mixed_precision, hw.gpus_per_node, hw.num_nodes, zero_optimizer, p.float8, **lora,
+        tensor_parallel=p.tensor_parallel,
     )
     comm = sent["intra"] / (LINK_GBPS[hw.intra_node_link] * 1e9) + sent["inter"] / (LINK_GBPS[hw.inter_node_link] * 1e9)
     return compute, comm
+
+
+def tensor_parallel_seconds(s: ModelShape, cfg: Config) -> float:
+    """Seconds per step the tensor-parallel collectives take on the link inside a node (compute waits for them)."""
+    hw, t, p = cfg.hardware, cfg.train, cfg.parallel
+    tokens = t.global_batch_size * t.seq_len * p.tensor_parallel // (hw.gpus_per_node * hw.num_nodes)
+    sent = tensor_parallel_bytes(s, p.mixed_precision, p.activation_checkpointing, p.tensor_parallel, tokens)
+    return sent / (LINK_GBPS[hw.intra_node_link] * 1e9)
+
+
+@dataclass(frozen=True)
+class TensorParallelEstimate:
+    """The cheapest plan with one tensor-parallel degree, and what a step of it is estimated to cost."""
+
+    degree: int
+    micro_batch_size: int
+    """Sequences per forward pass of a group: the largest of base x degree and its halvings that fits."""
+    ac: str
+    sharding: str
+    cpu_offload: bool
+    compute_s: float
+    """Seconds of compute per step (40% MFU; full activation checkpointing adds a third)."""
+    fsdp_s: float
+    """Seconds of FSDP's communication per step, which overlaps with compute."""
+    tp_s: float
+    """Seconds of tensor parallelism's communication per step, which does not."""
+    tokens: int
+    """Tokens per step over all ranks (a global batch of micro_batch_size per data-parallel rank)."""
+
+    @property
+    def step_s(self) -> float:
+        return max(self.compute_s, self.fsdp_s) + self.tp_s
+
+    @property
+    def seconds_per_token(self) -> float:
+        return self.step_s / self.tokens
+
+
+def tensor_parallel_degrees(cfg: Config) -> list[int]:
+    """1, and the powers of two that divide the GPUs per node and split the model (its spec's tp_plan)."""
+    hw, spec = cfg.hardware, model_spec(cfg.model.name)
+    if hw.accelerator == "cpu" or spec.tp_plan is None:
+        return [1]
+    degrees, t = [1], 2
+    while t <= hw.gpus_per_node:
+        if hw.gpus_per_node % t == 0 and not spec.tp_plan.check(cfg, t):
+            degrees.append(t)
+        t *= 2
+    return degrees
+
+
+def estimate_tensor_parallel(cfg: Config, degree: int, base_micro_batch: int) -> TensorParallelEstimate | None:
+    """The cheapest plan with `degree` at cfg's sequence length; None when no micro-batch fits.
+
+    A group of `degree` GPUs starts from `base_micro_batch` sequences per GPU, so its micro-batch
+    (and the global batch) matches FSDP alone's until the memory runs out.
+    """
+    hw, s = cfg.hardware, ModelShape.of(cfg.model)
+    world, precision = hw.gpus_per_node * hw.num_nodes, cfg.parallel.mixed_precision
+    for i in range(12):
+        micro = base_micro_batch * degree // 2**i
+        if micro < 1:
+            return None
+        train = replace(cfg.train, micro_batch_size=micro, global_batch_size=micro * world // degree)
+        trial = replace(cfg, parallel=replace(cfg.parallel, tensor_parallel=degree), train=train)
+        choice = cheapest(trial)
+        if choice:
+            break
+    else:
+        return None
+    ac, sharding, offload = choice
+    tokens = micro * cfg.train.seq_len  # per group and step
+    peak = ARCH_TFLOPS.get(hw.gpu_arch, ARCH_TFLOPS["ampere"]) * 1e12
+    compute = 6 * s.P * tokens / degree / (0.4 * peak) * (4 / 3 if ac == "full" else 1)
+    sent = communication_bytes(s, sharding, precision, hw.gpus_per_node, hw.num_nodes, False, cfg.parallel.float8,
+                               degree)  # fmt: skip
+    fsdp = sent["intra"] / (LINK_GBPS[hw.intra_node_link] * 1e9) + sent["inter"] / (LINK_GBPS[hw.inter_node_link] * 1e9)
+    tp = tensor_parallel_bytes(s, precision, ac, degree, tokens) / (LINK_GBPS[hw.intra_node_link] * 1e9)
+    return TensorParallelEstimate(degree, micro, ac, sharding, offload, compute, fsdp, tp, tokens * world // degree)
+
+
+def recommend_tensor_parallel(cfg: Config, base_micro_batch: int) -> int:
+    """The tensor-parallel degree with the cheapest estimated plan: without CPU offload if any fits,
+    then the fewest seconds per token; 1 unless a larger degree is strictly better.
+
+    Tensor parallelism divides what FSDP moves between nodes (each rank gathers 1/t of the
+    parameters) and the activations of one sequence, and adds collectives on the link inside a
+    node that compute waits for: it wins where FSDP alone needs offload, or its communication
+    cannot hide behind compute.
+    """
+    best, key = 1, None
+    for degree in tensor_parallel_degrees(cfg):
+        found = estimate_tensor_parallel(cfg, degree, base_micro_batch)
+        if found is not None and (key is None or (found.cpu_offload, found.seconds_per_token) < key):
+            best, key = degree, (found.cpu_offload, found.seconds_per_token)
+    return best
 
 
 def device_memory_gb(device: torch.device) -> float | None:
@@ -317,9 +460,12 @@ def check_plan(cfg: Config, world_size: int, device: torch.device) -> None:
             f"launched on {world_size} ranks but the plan is for {planned} "
             f"({hw.num_nodes} node(s) x {hw.gpus_per_node})"
         )
-    live = device_memory_gb(device)
-    plan = plan_for(cfg)
-    if live is not None and not plan.fits(live):
+    live, degree = device_memory_gb(device), cfg.parallel.tensor_parallel
+    if hw.gpus_per_node % degree:  # the planned hardware has no plan with this degree to check
+        problems.append(
+            f"parallel.tensor_parallel={degree} does not split the plan's {hw.gpus_per_node} ranks per node into groups"
+        )
+    elif live is not None and not (plan := plan_for(cfg)).fits(live):
         problems.append(
             f"the plan needs {plan.total / GIB:.1f} GiB per device and this {device.type} has {live:.1f} GiB "
             f"({HEADROOM:.0%} usable)"

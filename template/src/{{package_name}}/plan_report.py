@@ -19,11 +19,14 @@ from .plan import (
     ModelShape,
     adapter_params,
     communication_bytes,
+    estimate_tensor_parallel,
     grad_accum,
     lora_of,
     plan_for,
     recommend,
+    recommend_tensor_parallel,
     step_seconds,
+    tensor_parallel_degrees,
 )
 
 
@@ -38,10 +41,11 @@ def format_table(cfg: Config) -> str:
             f"{v:<{w}}" if i in (0, 7) else f"{v:>{w}}" for i, (v, w) in enumerate(zip(values, widths, strict=True))
         )
 
+    group = "rank" if p.tensor_parallel == 1 else f"group of {p.tensor_parallel} (tensor parallel)"
     rows = [
-        f"{cfg.model.preset}: {s.P / 1e9:.2f}B parameters; per rank {cfg.train.micro_batch_size} x {cfg.train.seq_len} "
-        f"tokens x {grad_accum(cfg)} micro-batch(es); {p.mixed_precision}; activation checkpointing "
-        f"{p.activation_checkpointing}",
+        f"{cfg.model.preset}: {s.P / 1e9:.2f}B parameters; per {group} {cfg.train.micro_batch_size} x "
+        f"{cfg.train.seq_len} tokens x {grad_accum(cfg)} micro-batch(es); {p.mixed_precision}; activation "
+        f"checkpointing {p.activation_checkpointing}",
         f"hardware: {hw.num_nodes} node(s) x {hw.gpus_per_node} {hw.accelerator}"
         + (f", {hw.gpu_memory_gb:g} GiB each ({HEADROOM * hw.gpu_memory_gb:.1f} usable)" if hw.gpu_memory_gb else ""),
         *lora_lines(cfg, unit, unit_name),
@@ -59,14 +63,16 @@ def format_table(cfg: Config) -> str:
             "comm/compute",
         ),  # fmt: skip
     ]
-    choices = [("no_shard", False, False), ("no_shard", False, True)] + [
+    ddp = [("no_shard", False, False), ("no_shard", False, True)] if p.tensor_parallel == 1 else []
+    choices = ddp + [
         (x, offload, False) for x in SHARDINGS[1:] if x != "hybrid" or hw.num_nodes > 1 for offload in (False, True)
     ]
     for sharding, offload, zero in choices:
         m = plan_for(cfg, sharding=sharding, cpu_offload=offload, zero_optimizer=zero)
         compute, comm = step_seconds(s, cfg, sharding, zero)
         sent = communication_bytes(
-            s, sharding, p.mixed_precision, hw.gpus_per_node, hw.num_nodes, zero, p.float8, **lora_of(cfg)
+            s, sharding, p.mixed_precision, hw.gpus_per_node, hw.num_nodes, zero, p.float8, **lora_of(cfg),
+            tensor_parallel=p.tensor_parallel,
         )
         fits = "yes" if not hw.gpu_memory_gb or m.fits(hw.gpu_memory_gb) else "no"
         resident = 0 if offload else m.params + m.optim
@@ -82,7 +88,31 @@ def format_table(cfg: Config) -> str:
         "comm/compute: estimated communication time over compute time per step (40% MFU); above 1, FSDP cannot "
         "hide the communication behind compute",
     ]
-    return "\n".join(rows)
+    return "\n".join(rows + tensor_parallel_rows(cfg))
+
+
+def tensor_parallel_rows(cfg: Config) -> list[str]:
+    """Every tensor-parallel degree's cheapest plan and estimated step (plan.estimate_tensor_parallel)."""
+    degrees = tensor_parallel_degrees(cfg)
+    if len(degrees) == 1 or not cfg.hardware.gpu_memory_gb:
+        return []
+    base = max(cfg.train.micro_batch_size // cfg.parallel.tensor_parallel, 1)  # sequences per GPU
+    rows = ["", f"tensor parallelism at {cfg.train.seq_len} tokens, from {base} sequence(s) per GPU:",
+            f"{'degree':<8}{'micro':>6}  {'plan (AC, sharding, offload)':<30}{'compute s':>10}{'FSDP s':>8}"
+            f"{'TP s':>7}{'step s':>8}{'s / 1M tokens':>15}"]  # fmt: skip
+    for degree in degrees:
+        e = estimate_tensor_parallel(cfg, degree, base)
+        this = "   <- this config" if degree == cfg.parallel.tensor_parallel else ""
+        if e is None:
+            rows.append(f"{degree:<8}{'-':>6}  nothing fits{this}")
+            continue
+        choice = f"{e.ac}, {e.sharding}, {'yes' if e.cpu_offload else 'no'}"
+        per_million = e.seconds_per_token * 1e6
+        seconds = f"{e.compute_s:>10.2f}{e.fsdp_s:>8.2f}{e.tp_s:>7.2f}{e.step_s:>8.2f}{per_million:>15.1f}"
+        rows.append(f"{degree:<8}{e.micro_batch_size:>6}  {choice:<30}{seconds}{this}")
+    rows.append(f"planner's tensor_parallel: {recommend_tensor_parallel(cfg, base)} (no CPU offload if any degree "
+                "avoids it, then the fewest seconds per token; TP's collectives are not overlapped)")  # fmt: skip
+    return rows
 
 
 def lora_lines(cfg: Config, unit: float, unit_name: str) -> list[str]:
@@ -123,6 +153,11 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(EXIT_USAGE) from None
         return
     cfg = load_config(rest)
+    hw, degree = cfg.hardware, cfg.parallel.tensor_parallel
+    if hw.gpus_per_node % degree:
+        why = f"parallel.tensor_parallel={degree} does not divide the planned hardware.gpus_per_node={hw.gpus_per_node}"
+        print(f"{__package__}.plan: error: {why}: choose a divisor, or plan other hardware", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE)
     if args.json:
         chosen = plan_for(cfg)
         print(json.dumps({**asdict(chosen), "total": chosen.total}))

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from . import hardware
 from .config import Config, HardwareConfig, load_config
-from .plan import grad_accum, plan_for, recommend
+from .plan import estimate_tensor_parallel, grad_accum, plan_for, recommend, recommend_tensor_parallel
 from .plan_report import format_table
 from .presets import DEFAULT_BACKEND, DEFAULT_PRECISION
 
@@ -62,14 +62,17 @@ def live_hardware(planned: HardwareConfig, detected: dict) -> HardwareConfig:
 
 def with_answers(cfg: Config, live: HardwareConfig, answers: dict) -> Config:
     """`cfg` as `copier update -d answers` would render it on `live`, keeping its micro-batches per step."""
-    world = live.gpus_per_node * live.num_nodes
-    parallel_keys = ("mixed_precision", "compile", "sharding", "activation_checkpointing", "cpu_offload")
+    parallel_keys = ("mixed_precision", "compile", "sharding", "activation_checkpointing", "cpu_offload",
+                     "tensor_parallel")  # fmt: skip
+    parallel = replace(cfg.parallel, **{k: answers[k] for k in parallel_keys if k in answers})
+    micro = answers.get("micro_batch_size", cfg.train.micro_batch_size)
+    dp = live.gpus_per_node * live.num_nodes // parallel.tensor_parallel
     return replace(
         cfg,
         hardware=live,
-        train=replace(cfg.train, global_batch_size=cfg.train.micro_batch_size * world * grad_accum(cfg)),
+        train=replace(cfg.train, micro_batch_size=micro, global_batch_size=micro * dp * grad_accum(cfg)),
         dist=replace(cfg.dist, backend=answers.get("backend", cfg.dist.backend)),
-        parallel=replace(cfg.parallel, **{k: answers[k] for k in parallel_keys if k in answers}),
+        parallel=parallel,
     )
 
 
@@ -103,8 +106,26 @@ def resize(cfg: Config, live: HardwareConfig) -> dict:
     ):
         if new != now:
             answers[key] = new
+    if cfg.model.preset not in ("debug", "vit-debug"):  # only preset configs carry a tensor-parallel degree
+        answers |= tensor_parallel_answers(with_answers(cfg, live, answers))
     ac, sharding, offload = recommend(with_answers(cfg, live, answers))
     return {**answers, "sharding": sharding, "activation_checkpointing": ac, "cpu_offload": offload}
+
+
+def tensor_parallel_answers(cfg: Config) -> dict:
+    """tensor_parallel and micro_batch_size for cfg's new hardware, when the planner's degree differs from cfg's.
+
+    A group of t GPUs takes t times the sequences of one GPU (as copier plans it), so the
+    micro-batch changes with the degree: the largest that fits, or t times one GPU's where nothing
+    fits (or on CPU ranks, which are not memory-planned).
+    """
+    degree = cfg.parallel.tensor_parallel
+    base = max(cfg.train.micro_batch_size // degree, 1)
+    best = recommend_tensor_parallel(cfg, base)
+    if best == degree:
+        return {}
+    estimate = estimate_tensor_parallel(cfg, best, base)
+    return {"tensor_parallel": best, "micro_batch_size": estimate.micro_batch_size if estimate else base * best}
 
 
 def update_command(answers: dict) -> str:

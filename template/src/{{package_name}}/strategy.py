@@ -30,7 +30,8 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from .config import ParallelConfig
-from .parallelize import DTYPES, apply_fsdp
+from .models.spec import TensorParallelPlan
+from .parallelize import DTYPES, apply_fsdp, apply_tp
 
 FullState = Callable[[], dict[str, torch.Tensor]]
 """Builds the full model weights; called on rank 0 only."""
@@ -41,6 +42,10 @@ class Strategy(ABC):
 
     shards_parameters: ClassVar[bool]
     """Each rank holds only a shard of every parameter (FSDP); DDP holds all of them."""
+
+    @abstractmethod
+    def apply_tensor_parallel(self, model: nn.Module, plan: TensorParallelPlan | None) -> None:
+        """Split every layer over this rank's tensor-parallel group, on the meta device (no-op without one)."""
 
     @abstractmethod
     def apply_sharding(self, model: nn.Module) -> None:
@@ -96,10 +101,19 @@ class Strategy(ABC):
         """The module that owns the architecture (its layers, its embeddings)."""
         return model
 
+    @property
+    def dp_group(self) -> dist.ProcessGroup | None:
+        """The ranks that split each global batch between them (None: all of them)."""
+        return None
+
 
 @dataclass(frozen=True)
 class FSDP(Strategy):
-    """FSDP2: every block, then the root, sharded over the mesh with fully_shard (parallelize.apply_fsdp)."""
+    """FSDP2: every block, then the root, sharded over the mesh with fully_shard (parallelize.apply_fsdp).
+
+    With tensor parallelism the mesh has a last "tp" dimension: parallelize.apply_tp splits each
+    layer over it first, then FSDP shards the split parameters over the data-parallel dimensions.
+    """
 
     mesh: DeviceMesh
     cfg: ParallelConfig
@@ -108,8 +122,30 @@ class FSDP(Strategy):
 
     shards_parameters: ClassVar[bool] = True
 
+    @property
+    def tensor_parallel(self) -> bool:
+        return "tp" in self.mesh.mesh_dim_names
+
+    @property
+    def dp_mesh(self) -> DeviceMesh:
+        """The data-parallel dimensions FSDP shards (and, for hybrid, replicates) over."""
+        if not self.tensor_parallel:
+            return self.mesh
+        return self.mesh["dp_replicate", "dp_shard"] if self.hybrid else self.mesh["dp_shard"]
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup | None:
+        if not self.tensor_parallel:
+            return None
+        # HSDP's two data-parallel dimensions as one group: built (and cached) by build_mesh.
+        return self.dp_mesh._flatten("dp").get_group() if self.hybrid else self.dp_mesh.get_group()
+
+    def apply_tensor_parallel(self, model: nn.Module, plan: TensorParallelPlan | None) -> None:
+        if self.tensor_parallel:
+            apply_tp(model, self.mesh["tp"], plan)
+
     def apply_sharding(self, model: nn.Module) -> None:
-        apply_fsdp(model, self.mesh, self.cfg)
+        apply_fsdp(model, self.dp_mesh, self.cfg)
 
     def apply_weights_from_rank0(self, model: nn.Module, full_state: FullState, *, strict: bool = True) -> None:
         state = full_state() if dist.get_rank() == 0 else {}
@@ -142,6 +178,9 @@ class DDP(Strategy):
     """DDP computes in low precision under autocast (FSDP casts through its MixedPrecisionPolicy)."""
 
     shards_parameters: ClassVar[bool] = False
+
+    def apply_tensor_parallel(self, model: nn.Module, plan: TensorParallelPlan | None) -> None:
+        pass  # config.py refuses parallel.tensor_parallel > 1 with DDP
 
     def apply_sharding(self, model: nn.Module) -> None:
         pass  # nothing to shard: wrap() wraps the materialised model

@@ -42,6 +42,7 @@ from .distributed import (
     any_rank,
     build_mesh,
     check_backend,
+    check_tensor_parallel,
     init_process_group,
     mean_across_ranks,
     rendezvous_from_env,
@@ -70,8 +71,10 @@ def init_distributed(cfg: Config) -> DistEnv:
     rdzv = rendezvous_from_env(cfg.dist.init_method)
     init_logging(rdzv.rank)
     device = resolve_device(cfg.device, rdzv.local_rank)
+    tp = cfg.parallel.tensor_parallel
+    check_tensor_parallel(tp, rdzv.world_size, rdzv.local_world_size)
     check_plan(cfg, rdzv.world_size, device)
-    check_data(cfg, rdzv.rank, rdzv.world_size)
+    check_data(cfg, rdzv.rank // tp, rdzv.world_size // tp)  # a tensor-parallel group shares its batches
     check_resume(cfg.checkpoint)
     check_resume_finetune(cfg)
     check_init_from(cfg)
@@ -82,12 +85,12 @@ def init_distributed(cfg: Config) -> DistEnv:
     backend = resolve_backend(cfg.dist.backend, device, cpu_collectives=cfg.parallel.cpu_offload)
     check_backend(backend, device.type, cfg.parallel.sharding)
     init_process_group(rdzv, device, backend, cfg.dist.init_method, cfg.dist.init_timeout_s)
-    shard_size = cfg.parallel.hsdp_shard_size or rdzv.local_world_size
-    mesh = build_mesh(cfg.parallel.sharding, device.type, rdzv.world_size, shard_size)
+    shard_size = cfg.parallel.hsdp_shard_size or rdzv.local_world_size // tp
+    mesh = build_mesh(cfg.parallel.sharding, device.type, rdzv.world_size, shard_size, tp)
     strategy = build_strategy(cfg.parallel, mesh, device)
     torch.manual_seed(cfg.train.seed)
     logger.info("world size %d on %s, backend %s, mesh %s", rdzv.world_size, device, backend, mesh)
-    return DistEnv(rdzv.rank, rdzv.world_size, rdzv.local_world_size, device, backend, strategy)
+    return DistEnv(rdzv.rank, rdzv.world_size, rdzv.local_world_size, device, backend, strategy, tp)
 
 
 def build_model_meta(cfg: Config, env: DistEnv, *, init_weights: bool) -> nn.Module:
@@ -99,6 +102,7 @@ def build_model_meta(cfg: Config, env: DistEnv, *, init_weights: bool) -> nn.Mod
     if cfg.finetune.method == "lora":
         apply_frozen_dtype(model, DTYPES[p.mixed_precision])
     apply_float8(model.layers, p.float8, fsdp=strategy.shards_parameters)
+    strategy.apply_tensor_parallel(model, model_spec(cfg.model.name).tp_plan)  # before the wrappers rename the blocks
     apply_ac(model.layers, p.activation_checkpointing, adapter_rank=lora_rank(cfg.finetune))
     if p.compile:
         apply_compile(model.layers, p.compile_backend)
@@ -188,6 +192,7 @@ def build_loss(micro_batches, ctx: StepContext) -> Callable[[torch.Tensor, torch
     if dist.is_initialized():
         dist.all_reduce(scored)
         world = dist.get_world_size()
+    # Tensor parallelism: a group's ranks count the same targets, and the group size cancels.
     per_rank = scored.clamp(min=1) / world  # nothing scored in the whole step: a zero loss, not 0/0
 
     def summed(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -255,7 +260,7 @@ def validate(
     random draws, and the training loader keeps its position. Without metrics (--eval-only)
     rank 0 prints the result as one JSON line and nothing is written.
     """
-    result = evaluate(model, held_out, ctx.device, ctx.strategy.autocast)
+    result = evaluate(model, held_out, ctx.device, ctx.strategy.autocast, ctx.strategy.dp_group)
     if metrics is not None:
         metrics.log_eval(step, result)
     elif dist.get_rank() == 0:
@@ -342,15 +347,16 @@ def main(argv: list[str] | None = None, *, faults: FaultHook | None = None) -> N
     model = state = None
     try:
         ckpt = CheckpointManager(
-            cfg.checkpoint, Path(cfg.run_dir) / "checkpoints", env.rank, env.world_size, faults=faults
-        )
+            cfg.checkpoint, Path(cfg.run_dir) / "checkpoints", env.rank, env.world_size, env.tensor_parallel,
+            faults=faults,
+        )  # fmt: skip
         resume = checkpoint_to_evaluate(cfg, env.rank) if cfg.eval.only else ckpt.resume_path()
         model = build_model_meta(cfg, env, init_weights=resume is None)
         optimizer, scheduler = build_optimizer(cfg, model, env.strategy)
-        loader = build_loader(cfg, env.rank, env.world_size, env.device)
+        loader = build_loader(cfg, env.dp_rank, env.dp_size, env.device)
         state = TrainState(model, optimizer, scheduler, loader, env.rank, env.strategy)
         start = step = checkpoint_load(ckpt, state, resume)
-        held_out = build_held_out(cfg, env.rank, env.world_size, env.device)
+        held_out = build_held_out(cfg, env.dp_rank, env.dp_size, env.device)
         if cfg.eval.only:  # score the checkpoint and stop, writing nothing
             validate(model, held_out, build_step_context(cfg, env), step, None)
             return

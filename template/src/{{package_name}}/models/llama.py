@@ -18,7 +18,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
-from .spec import HFLayout, LoraLayout, ModelSpec, RenameTable, decoder_errors, decoder_shape
+from .spec import (
+    HFLayout,
+    LoraLayout,
+    ModelSpec,
+    RenameTable,
+    TensorParallelPlan,
+    decoder_errors,
+    decoder_shape,
+    decoder_tp_errors,
+)
 
 
 def rope_cache(head_dim: int, max_seq_len: int, theta: float, device=None) -> torch.Tensor:
@@ -41,21 +50,22 @@ def apply_rope(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.n_kv_heads
         self.head_dim = cfg.dim // cfg.n_heads
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor | None = None) -> torch.Tensor:
         bsz, seq_len, _ = x.shape
-        q = self.wq(x).view(bsz, seq_len, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(bsz, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(bsz, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        # Head counts come from the projections' outputs: under tensor parallelism each rank
+        # computes only its share of the heads (parallel.tensor_parallel divides both counts).
+        q = self.wq(x).view(bsz, seq_len, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(bsz, seq_len, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(bsz, seq_len, -1, self.head_dim).transpose(1, 2)
         if rope is not None:  # a decoder; the ViT encoder has learned positions instead
             q, k = apply_rope(q, rope), apply_rope(k, rope)
-        gqa = self.n_kv_heads != self.n_heads
+        gqa = k.shape[1] != q.shape[1]
         out = F.scaled_dot_product_attention(q, k, v, is_causal=rope is not None, enable_gqa=gqa)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq_len, -1))
 
@@ -85,7 +95,8 @@ class Block(nn.Module):
         self.feed_forward = FeedForward(cfg)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), rope)
+        # rope by keyword: tensor parallelism all-gathers the first positional input only.
+        x = x + self.attention(self.attention_norm(x), rope=rope)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -187,6 +198,28 @@ def hf_config_json(cfg: ModelConfig) -> str:
     return json.dumps(config, indent=2)
 
 
+# Megatron-style tensor parallelism with sequence parallelism (torchtitan's Llama plan): q, k, v
+# and SwiGLU's w1, w3 split by output features (whole heads per rank), wo and w2 by input
+# features, the norms on each rank's part of the sequence. Per block forward that is two
+# all-gathers (before attention and before the feed-forward) and two reduce-scatters (after wo and w2).
+TP_PLAN = TensorParallelPlan(
+    root={"tok_embeddings": "embedding", "norm": "sequence", "output": "head"},
+    block={
+        "attention_norm": "sequence",
+        "attention": "gather",
+        "attention.wq": "colwise",
+        "attention.wk": "colwise",
+        "attention.wv": "colwise",
+        "attention.wo": "rowwise",
+        "ffn_norm": "sequence",
+        "feed_forward": "gather",
+        "feed_forward.w1": "colwise",
+        "feed_forward.w3": "colwise",
+        "feed_forward.w2": "rowwise",
+    },
+    check=decoder_tp_errors,
+)
+
 SPEC = ModelSpec(
     build=Llama,
     shape=decoder_shape,
@@ -197,4 +230,5 @@ SPEC = ModelSpec(
         config_json=hf_config_json,
     ),
     lora=LoraLayout(attention="attention", mlp="feed_forward"),
+    tp_plan=TP_PLAN,
 )

@@ -3,9 +3,10 @@
 Each model module defines `SPEC = ModelSpec(...)`; models/__init__.py maps `model.name` to the
 module. From the spec, plan.py sizes memory (`shape`), metrics.py counts FLOPs (`flops_per_token`),
 config.py checks the model's own fields (`check`), data.py feeds `inputs`, weights.py maps the
-weights to and from Hugging Face (`hf`), and models/lora.py places adapters (`lora`). The
-nn.Module it builds meets the module contract in models/__init__.py. Plain Python and torch:
-nothing here imports torch.distributed.
+weights to and from Hugging Face (`hf`), models/lora.py places adapters (`lora`), and
+parallelize.py splits the model for tensor parallelism (`tp_plan`). The nn.Module it builds
+meets the module contract in models/__init__.py. Plain Python and torch: nothing here imports
+torch.distributed.
 """
 
 from __future__ import annotations
@@ -154,6 +155,46 @@ def no_errors(cfg: Config) -> list[str]:
 
 
 @dataclass(frozen=True)
+class TensorParallelPlan:
+    """How tensor parallelism (parallel.tensor_parallel) splits a model, Megatron-style.
+
+    Module paths map to the names of layouts that parallelize.apply_tp turns into torch's
+    parallel styles (so model files need no torch.distributed). Between the blocks, activations
+    are split along the sequence (sequence parallelism):
+
+        embedding  an nn.Embedding split by vocabulary rows; its output leaves split by sequence
+        sequence   a norm run on this rank's part of the sequence (its weight is replicated)
+        gather     a module whose first input is all-gathered along the sequence before it runs
+        colwise    an nn.Linear split by output features (its output keeps them split)
+        rowwise    an nn.Linear split by input features; its output is reduce-scattered by sequence
+        head       the output nn.Linear split by vocabulary; its logits are all-gathered whole
+
+    Every parameter must be covered (parallelize.apply_tp checks): parameters left whole would
+    sit on another device mesh than the split ones, which gradient clipping cannot mix.
+    """
+
+    root: dict[str, str]
+    """Modules outside the blocks: path (from the model) -> layout."""
+    block: dict[str, str]
+    """Modules inside every block of `layers`: path (from the block) -> layout."""
+    check: Callable[[Config, int], list[str]]
+    """Every reason the model cannot split `degree` ways (head counts and widths that do not divide)."""
+
+
+def decoder_tp_errors(cfg: Config, degree: int) -> list[str]:
+    """What a Llama-style decoder splits `degree` ways: heads, SwiGLU width, vocabulary, and the sequence."""
+    m = cfg.model
+    sizes = {"model.n_heads": m.n_heads, "model.n_kv_heads": m.n_kv_heads, "model.ffn_hidden_dim": m.ffn_hidden_dim,
+             "model.vocab_size": m.vocab_size, "train.seq_len": cfg.train.seq_len}  # fmt: skip
+    return [
+        f"parallel.tensor_parallel={degree} must divide {name}={size}"
+        + (" (sequence parallelism splits every sequence between the ranks)" if name == "train.seq_len" else "")
+        for name, size in sizes.items()
+        if size % degree
+    ]
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """Everything outside models/ needs to know about one model family."""
 
@@ -171,3 +212,7 @@ class ModelSpec:
     """The Hugging Face weight layout, for models transformers can load (None: export=hf refused)."""
     lora: LoraLayout | None = None
     """Where LoRA adapters go in a block (models/lora.py); None: finetune.method=lora is refused."""
+    tp_plan: TensorParallelPlan | None = None
+    """How tensor parallelism splits the model (None: parallel.tensor_parallel > 1 is refused, saying `tp_refusal`)."""
+    tp_refusal: str = "its module declares no tensor-parallel plan (SPEC.tp_plan, models/spec.py)"
+    """Why the model has no tensor-parallel plan, for the refusal."""
