@@ -100,8 +100,7 @@ REFUSED = {
     "lora_for_vit": ({"model_type": "vit", "finetune": "lora"}, "finetune", "llama or hf_causal_lm, and vit has none"),
     "lora_for_custom": ({"model_type": "custom", "finetune": "lora"}, "finetune", "choose full"),
     "lora_with_float8": ({"finetune": "lora", "float8": "tensorwise"}, "float8", "with finetune=lora choose none"),
-    "lora_with_tensor_parallel": ({"finetune": "lora", "tensor_parallel": 2}, "tensor_parallel",
-                                  "not combined with finetune=lora"),
+    "lora_with_tp": ({"finetune": "lora", "tensor_parallel": 2}, "tensor_parallel", "not combined with finetune=lora"),
 }
 
 
