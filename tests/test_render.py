@@ -11,8 +11,19 @@ import pytest
 import yaml
 from answers import MATRIX
 
-# The labelled blocks of train.py, in the order main() first calls them.
+# The labelled blocks of train.py, in the order they first run: main() calls the first four,
+# then train_loop(), which calls the last two.
 BLOCKS = ["init_distributed", "build_model_meta", "build_optimizer", "checkpoint_load", "train_step", "checkpoint_save"]
+MAIN, LOOP = [*BLOCKS[:4], "train_loop"], BLOCKS[4:]
+
+
+def first_calls(function: ast.FunctionDef) -> dict[str, int]:
+    """The line of the first call of each name `function` calls."""
+    first: dict[str, int] = {}
+    for call in ast.walk(function):
+        if isinstance(call, ast.Call) and isinstance(call.func, ast.Name):
+            first[call.func.id] = min(call.lineno, first.get(call.func.id, call.lineno))
+    return first
 
 
 def text_files(root):
@@ -44,11 +55,11 @@ def test_render_has_the_labelled_blocks_in_order(rendered, name):
     package = yaml.safe_load((rendered[name] / ".copier-answers.yml").read_text())["package_name"]
     tree = ast.parse((rendered[name] / "src" / package / "train.py").read_text())
     functions = {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
-    assert set(BLOCKS) <= set(functions)
-    assert all(functions[b].end_lineno - functions[b].lineno < 60 for b in BLOCKS)
-    calls = [c for c in ast.walk(functions["main"]) if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)]
-    first_line = {b: min(c.lineno for c in calls if c.func.id == b) for b in BLOCKS}
-    assert sorted(BLOCKS, key=first_line.get) == BLOCKS  # main() reads top to bottom in this order
+    assert {*BLOCKS, "main", "train_loop"} <= set(functions)
+    assert all(f.end_lineno - f.lineno < 60 for f in functions.values())  # every function, main() too
+    # main() and train_loop() read top to bottom in this order.
+    assert sorted(MAIN, key=first_calls(functions["main"]).get) == MAIN
+    assert sorted(LOOP, key=first_calls(functions["train_loop"]).get) == LOOP
 
 
 @pytest.mark.parametrize("name", MATRIX)

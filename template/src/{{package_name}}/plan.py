@@ -333,7 +333,7 @@ def step_seconds(s: ModelShape, cfg: Config, sharding: str, zero_optimizer: bool
     sent = communication_bytes(
         s, sharding, p.mixed_precision, hw.gpus_per_node, hw.num_nodes, zero_optimizer, p.float8, **lora,
         tensor_parallel=p.tensor_parallel,
-    )
+    )  # fmt: skip
     comm = sent["intra"] / (LINK_GBPS[hw.intra_node_link] * 1e9) + sent["inter"] / (LINK_GBPS[hw.inter_node_link] * 1e9)
     return compute, comm
 

@@ -73,7 +73,7 @@ def format_table(cfg: Config) -> str:
         sent = communication_bytes(
             s, sharding, p.mixed_precision, hw.gpus_per_node, hw.num_nodes, zero, p.float8, **lora_of(cfg),
             tensor_parallel=p.tensor_parallel,
-        )
+        )  # fmt: skip
         fits = "yes" if not hw.gpu_memory_gb or m.fits(hw.gpu_memory_gb) else "no"
         resident = 0 if offload else m.params + m.optim
         sizes = [f"{b / unit:.1f}" for b in (resident, m.grads_live, m.gathered + m.gradbuf, m.activations, m.total)]

@@ -1,7 +1,7 @@
 """Training entry point. main() reads top to bottom as the run happens:
 
     init_distributed -> build_model_meta -> build_optimizer -> checkpoint_load
-    -> loop { train_step -> metrics -> validate -> checkpoint_save } -> teardown
+    -> train_loop { train_step -> metrics -> validate -> checkpoint_save } -> teardown
 
 `--eval-only` stops after checkpoint_load: it scores the checkpoint on the held-out data once.
 
@@ -332,6 +332,53 @@ def refuse(error: UsageError | None) -> NoReturn:
     raise SystemExit(EXIT_USAGE)
 
 
+def train_loop(cfg: Config, env: DistEnv, state: TrainState, ckpt: CheckpointManager, held_out: HeldOut | None,
+               start: int) -> int:  # fmt: skip
+    """Train from step `start` to train.steps, a preemption signal or train.stop_after_steps; return the step reached.
+
+    Every rank runs the same steps: per-rank data may run out unevenly, so the ranks agree on the
+    shortest (data.uneven_inputs=min), or DDP ranks that ran out shadow the others' collectives
+    (join); global-batch data never runs out. A checkpoint is saved every checkpoint.interval
+    steps and when the loop ends, validation runs every eval.interval steps and at the end.
+    """
+    model, optimizer, scheduler, loader = state.model, state.optimizer, state.scheduler, state.loader
+    ctx, metrics, stop = build_step_context(cfg, env), build_metrics(cfg, env, model, start), StopRequest()
+    joining = cfg.data.uneven_inputs == "join" and loader.rank_sharded
+    last = cfg.train.steps if joining else agree_on_steps(loader, cfg.train.steps, env.device)
+    control, step = LoopControl(env.device, cfg.metrics.log_every, start), start
+    with logging_redirect_tqdm(), build_join(cfg, env.strategy, model, optimizer, control, joining):
+        while step < last:
+            try:
+                batches = metrics.timed(loader.next_batches)
+            except StopIteration:  # this rank's data ran out; Join shadows the others from here
+                break
+            step = control.step = step + 1
+            result = train_step(model, optimizer, scheduler, batches, ctx)
+            Join.notify_join_context(control)
+            if metrics.should_log(step):
+                metrics.log(step, mean_across_ranks(result.loss, env.device), result.grad_norm, result.lr)
+            metrics.after_step(step)
+            if held_out and held_out.due(step, last) and not joining:  # a joined rank runs no forward
+                validate(model, held_out, ctx, step, metrics)
+            if step == start + 1:
+                set_collective_timeout(cfg.dist.train_timeout_s)
+            preempted = any_rank(stop.requested, env.device)
+            job_done = preempted or step - start == cfg.train.stop_after_steps
+            if not joining:  # a rank that has joined could not take part in a save
+                checkpoint_save(ckpt, state, step, final=job_done or step == last)
+            if job_done:
+                why = "preemption signal" if preempted else "train.stop_after_steps"
+                logger.info("stopping after step %d (%s); resume with the same command", step, why)
+                break
+    if joining:  # every rank is back in step: save where the longest-running rank stopped
+        step = control.step
+        checkpoint_save(ckpt, state, step, final=True)
+        if held_out and held_out.interval:
+            validate(model, held_out, ctx, step, metrics)
+    metrics.close()
+    return step
+
+
 @record
 def main(argv: list[str] | None = None, *, faults: FaultHook | None = None) -> None:
     """Train as the config says; `faults` is for tests that crash a save (tests/fault_train.py)."""
@@ -355,55 +402,20 @@ def main(argv: list[str] | None = None, *, faults: FaultHook | None = None) -> N
         optimizer, scheduler = build_optimizer(cfg, model, env.strategy)
         loader = build_loader(cfg, env.dp_rank, env.dp_size, env.device)
         state = TrainState(model, optimizer, scheduler, loader, env.rank, env.strategy)
-        start = step = checkpoint_load(ckpt, state, resume)
+        step = checkpoint_load(ckpt, state, resume)
         held_out = build_held_out(cfg, env.dp_rank, env.dp_size, env.device)
         if cfg.eval.only:  # score the checkpoint and stop, writing nothing
             validate(model, held_out, build_step_context(cfg, env), step, None)
             return
-        ctx, metrics, stop = build_step_context(cfg, env), build_metrics(cfg, env, model, step), StopRequest()
-        # Per-rank data may run out unevenly: agree on the shortest (min), or let DDP ranks that
-        # ran out shadow the others' collectives (join); global-batch data never runs out.
-        joining = cfg.data.uneven_inputs == "join" and loader.rank_sharded
-        last = cfg.train.steps if joining else agree_on_steps(loader, cfg.train.steps, env.device)
-        control = LoopControl(env.device, cfg.metrics.log_every, step)
-        with logging_redirect_tqdm(), build_join(cfg, env.strategy, model, optimizer, control, joining):
-            while step < last:
-                try:
-                    batches = metrics.timed(loader.next_batches)
-                except StopIteration:  # this rank's data ran out; Join shadows the others from here
-                    break
-                step = control.step = step + 1
-                result = train_step(model, optimizer, scheduler, batches, ctx)
-                Join.notify_join_context(control)
-                if metrics.should_log(step):
-                    metrics.log(step, mean_across_ranks(result.loss, env.device), result.grad_norm, result.lr)
-                metrics.after_step(step)
-                if held_out and held_out.due(step, last) and not joining:  # a joined rank runs no forward
-                    validate(model, held_out, ctx, step, metrics)
-                if step == start + 1:
-                    set_collective_timeout(cfg.dist.train_timeout_s)
-                preempted = any_rank(stop.requested, env.device)
-                job_done = preempted or step - start == cfg.train.stop_after_steps
-                if not joining:  # a rank that has joined could not take part in a save
-                    checkpoint_save(ckpt, state, step, final=job_done or step == last)
-                if job_done:
-                    why = "preemption signal" if preempted else "train.stop_after_steps"
-                    logger.info("stopping after step %d (%s); resume with the same command", step, why)
-                    break
-        if joining:  # every rank is back in step: save where the longest-running rank stopped
-            step = control.step
-            checkpoint_save(ckpt, state, step, final=True)
-            if held_out and held_out.interval:
-                validate(model, held_out, ctx, step, metrics)
+        step = train_loop(cfg, env, state, ckpt, held_out, step)
         if step == cfg.train.steps and cfg.checkpoint.export != "none":
             export_weights(model, cfg, Path(cfg.run_dir) / "export", env.is_main)
         ckpt.close()
-        metrics.close()
         any_rank(False, env.device)  # no rank tears down while another is still communicating
     finally:
         # Release the model before the process group: a DDP reducer that outlives the group
         # deadlocks gloo's teardown (it joins worker threads while holding the GIL). So nothing
-        # else in main() may keep a reference to the model (build_join's Join lives in the with).
+        # else may keep a reference to the model once main() returns (train_loop's Join lives in its with).
         del model, state
         dist.destroy_process_group()
 
