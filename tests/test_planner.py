@@ -271,10 +271,10 @@ def test_tensor_parallel_splits_what_one_rank_holds_by_hand(plan):
     assert four.gathered == one.gathered / 4 and four.gradbuf == one.gradbuf / 4  # the gathered blocks are split
     # Per token and block: the norms (fp32, sequence-split), 2h gathered inputs kept whole, the rest split.
     h, kv, f = 8192, 1024, 28672
-    none = plan.activation_bytes_per_token(s, "bf16", "none", 4)
+    none = plan.activation_bytes_per_token(s, "bf16", "none", tensor_parallel=4)
     assert none == 16 * h / 4 + 2 * (2 * h + (3 * h + 2 * kv + 4 * f) / 4) == 136_192
-    assert plan.activation_bytes_per_token(s, "bf16", "selective", 4) == 74_752
-    assert plan.activation_bytes_per_token(s, "bf16", "full", 4) == 2 * h / 4
+    assert plan.activation_bytes_per_token(s, "bf16", "selective", tensor_parallel=4) == 74_752
+    assert plan.activation_bytes_per_token(s, "bf16", "full", tensor_parallel=4) == 2 * h / 4
     tokens, logits = 4 * 8192, 128256 * (2 + 12)  # the logits stay whole on every rank
     assert four.activations == tokens * (80 * 4096 + 136_192 + logits) == 74_037_854_208
     # FSDP moves 1/4 of the parameters among 8 data-parallel ranks: 2P (two bf16 gathers + fp32 grads) x 7/8.
@@ -336,13 +336,13 @@ def test_question_time_and_run_time_agree_with_tensor_parallelism(plan):
     for preset, precision, ac, sharding, offload, (gpus, nodes), tp, accum in TP_GRID:
         seq, mbs = PRESETS[preset]["seq_len"], PRESETS[preset]["micro_batch_size"]
         q = json.loads(jinja("memory_plan", preset, seq, mbs, precision, ac, sharding, offload, gpus, nodes, accum,
-                             False, False, 0, "none", tp))  # fmt: skip
+                             False, False, 0, "none", "full", tp))  # fmt: skip
         r = plan.memory_plan(shape(plan, preset), seq_len=seq, micro_batch_size=mbs, precision=precision, ac=ac,
                              sharding=sharding, cpu_offload=offload, gpus_per_node=gpus, num_nodes=nodes,
                              grad_accum=accum, tensor_parallel=tp)  # fmt: skip
         for name in fields:
             assert q[name] == pytest.approx(getattr(r, name), rel=1e-12), (preset, precision, ac, sharding, tp, name)
-        qc = json.loads(jinja("communication", preset, sharding, precision, gpus, nodes, False, "none", tp))
+        qc = json.loads(jinja("communication", preset, sharding, precision, gpus, nodes, False, "none", "full", tp))
         rc = plan.communication_bytes(shape(plan, preset), sharding, precision, gpus, nodes, tensor_parallel=tp)
         assert qc == pytest.approx(rc, rel=1e-12), (preset, sharding, precision, gpus, nodes, tp)
         qt = float(jinja("tp_communication", preset, precision, ac, tp, seq * mbs))

@@ -411,7 +411,7 @@ def estimate_tensor_parallel(cfg: Config, degree: int, base_micro_batch: int) ->
     peak = ARCH_TFLOPS.get(hw.gpu_arch, ARCH_TFLOPS["ampere"]) * 1e12
     compute = 6 * s.P * tokens / degree / (0.4 * peak) * (4 / 3 if ac == "full" else 1)
     sent = communication_bytes(s, sharding, precision, hw.gpus_per_node, hw.num_nodes, False, cfg.parallel.float8,
-                               degree)  # fmt: skip
+                               tensor_parallel=degree)  # fmt: skip
     fsdp = sent["intra"] / (LINK_GBPS[hw.intra_node_link] * 1e9) + sent["inter"] / (LINK_GBPS[hw.inter_node_link] * 1e9)
     tp = tensor_parallel_bytes(s, precision, ac, degree, tokens) / (LINK_GBPS[hw.intra_node_link] * 1e9)
     return TensorParallelEstimate(degree, micro, ac, sharding, offload, compute, fsdp, tp, tokens * world // degree)
