@@ -76,25 +76,27 @@ def test_generated_strategies_match_the_golden_losses(rendered, name):
     assert int(re.search(r"(\d+) passed", out).group(1)) >= 20 and "skipped" not in out, out[-2000:]
 
 
+def run_every_test_of(root, test_file: str, count: int) -> None:
+    """Both tiers of one generated test file: exactly `count` tests pass, none skipped."""
+    out = run_generated(root, "-m", "", test_file)
+    assert f"{count} passed" in out and "skipped" not in out, out[-2000:]
+
+
 @pytest.mark.parametrize("name", FLOAT8)
 def test_generated_float8_converts_trains_and_checkpoints(rendered, name):
-    out = run_generated(rendered[name], "-m", "", "tests/test_float8.py")
-    assert "6 passed" in out and "skipped" not in out, out[-2000:]
+    run_every_test_of(rendered[name], "tests/test_float8.py", 6)
 
 
 @pytest.mark.parametrize("name", SFT)
 def test_generated_sft_masks_packs_and_matches_one_process(rendered, name):
-    out = run_generated(rendered[name], "-m", "", "tests/test_sft.py")
-    assert "13 passed" in out and "skipped" not in out, out[-2000:]
+    run_every_test_of(rendered[name], "tests/test_sft.py", 13)
 
 
 @pytest.mark.parametrize("name", LORA)
 def test_generated_lora_trains_only_adapters_and_exports_merged_weights(rendered, name):
-    out = run_generated(rendered[name], "-m", "", "tests/test_lora.py")
-    assert "23 passed" in out and "skipped" not in out, out[-2000:]
+    run_every_test_of(rendered[name], "tests/test_lora.py", 23)
 
 
 @pytest.mark.parametrize("name", TENSOR_PARALLEL)
 def test_generated_tensor_parallel_trains_reshards_and_exports(rendered, name):
-    out = run_generated(rendered[name], "-m", "", "tests/test_tensor_parallel.py")
-    assert "8 passed" in out and "skipped" not in out, out[-2000:]
+    run_every_test_of(rendered[name], "tests/test_tensor_parallel.py", 8)
