@@ -368,17 +368,23 @@ def check_resume_finetune(cfg: Config) -> None:
     The checkpoint is the one the run would load: checkpoint.resume's, or with auto the newest
     complete one in the run directory.
     """
-    if cfg.checkpoint.resume == "never":
-        return
-    if cfg.checkpoint.resume != "auto":
-        path = Path(cfg.checkpoint.resume)
-    elif steps := checkpoint_steps(Path(cfg.run_dir) / "checkpoints"):
-        path = steps[max(steps)]
-    else:
+    path = checkpoint_to_resume(cfg)
+    if path is None:
         return
     problem = finetune_mismatch(path, lora=cfg.finetune.method == "lora")
     if problem:
         raise UsageError(f"checkpoint.resume={cfg.checkpoint.resume}: {problem}")
+
+
+def checkpoint_to_resume(cfg: Config) -> Path | None:
+    """The checkpoint a launch of `cfg` would load: checkpoint.resume's, or with auto the newest complete one
+    in the run directory; None when it starts from initial weights."""
+    if cfg.checkpoint.resume == "never":
+        return None
+    if cfg.checkpoint.resume != "auto":
+        return Path(cfg.checkpoint.resume)
+    steps = checkpoint_steps(Path(cfg.run_dir) / "checkpoints")
+    return steps[max(steps)] if steps else None
 
 
 def verify(path: Path) -> str:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Literal
 
 import tyro
 
-from .presets import DEBUG_RUN, LLAMA_PRESETS, LORA, VIT_PRESETS
+from .presets import DEBUG_RUN, LLAMA3_ROPE_SCALING, LLAMA_PRESETS, LORA, VIT_PRESETS
 
 if TYPE_CHECKING:
     from .models.spec import ModelSpec
@@ -53,6 +53,20 @@ Precision = Literal["bf16", "fp16", "fp32"]
 
 
 @dataclass
+class RopeScaling:
+    rope_type: Literal["none", "llama3"] = "none"
+    """none: rotary frequencies from rope_theta alone; llama3: Llama 3.1's long-context rule (models/llama.py)."""
+    factor: float = LLAMA3_ROPE_SCALING["factor"]
+    """llama3: low frequencies slow down by this factor (8 for Llama 3.1 8B and 70B, 32 for Llama 3.2 1B and 3B)."""
+    low_freq_factor: float = LLAMA3_ROPE_SCALING["low_freq_factor"]
+    """llama3: wavelengths over original_max_position_embeddings / low_freq_factor are scaled in full."""
+    high_freq_factor: float = LLAMA3_ROPE_SCALING["high_freq_factor"]
+    """llama3: wavelengths under original_max_position_embeddings / high_freq_factor stay; those between blend."""
+    original_max_position_embeddings: int = LLAMA3_ROPE_SCALING["original_max_position_embeddings"]
+    """llama3: the context the model was pretrained with, before its long-context extension."""
+
+
+@dataclass
 class ModelConfig:
     name: str = "llama"
     """Model family; models/__init__.py maps it to the module that defines it."""
@@ -74,8 +88,10 @@ class ModelConfig:
     """RMSNorm epsilon."""
     rope_theta: float = DEBUG["rope_theta"]
     """Rotary embedding base."""
+    rope_scaling: RopeScaling = field(default_factory=lambda: RopeScaling(**(DEBUG["rope_scaling"] or {})))
+    """Rotary frequency scaling: [model.rope_scaling] (the Llama 3.x presets set the llama3 rule)."""
     max_seq_len: int = DEBUG["max_seq_len"]
-    """Longest sequence the rotary cache covers."""
+    """Longest sequence the rotary cache covers (the model's context; train.seq_len is what is trained)."""
     tie_embeddings: bool = DEBUG["tie_embeddings"]
     """Share the input embedding and output projection weights."""
     hf_architecture: str = "llama"

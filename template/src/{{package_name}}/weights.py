@@ -15,6 +15,7 @@ offline: convert.py."""
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 from pathlib import Path
@@ -27,9 +28,10 @@ from safetensors.torch import save_file
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-from .checkpoint import plain_tensors
+from .checkpoint import checkpoint_to_resume, plain_tensors
 from .config import Config, FinetuneConfig, ModelConfig, UsageError
 from .models import build_model, model_spec
+from .models.config_math import mismatches
 from .models.lora import initial_adapters, merge_adapters
 from .strategy import Strategy
 
@@ -111,13 +113,40 @@ def match_names(cfg: ModelConfig, directory: Path) -> dict[str, str]:
     return names
 
 
+def match_config(cfg: ModelConfig, directory: Path) -> None:
+    """ValueError naming every field of the directory's config.json that computes otherwise than this
+    model (models/config_math.py); nothing to compare without a config.json (this repo's safetensors export)."""
+    hf = model_spec(cfg.name).hf
+    theirs = hf.read_config(directory) if hf else None
+    if theirs is None:
+        return
+    differences = mismatches(json.loads(hf.config_json(cfg)), theirs)
+    if differences:
+        raise ValueError(
+            f"its config.json describes a model that computes otherwise than [model]: {'; '.join(differences)}"
+            + (f"; {hf.config_hint}" if hf.config_hint else "")
+        )
+
+
 def check_init_from(cfg: Config) -> None:
-    """Refuse checkpoint.init_from weights that do not fit the model (before the process group starts)."""
-    if cfg.checkpoint.init_from:
-        try:
-            match_names(cfg.model, weights_dir(Path(cfg.checkpoint.init_from)))
-        except ValueError as error:
-            raise UsageError(f"checkpoint.init_from={cfg.checkpoint.init_from}: {error}") from None
+    """Refuse, before the process group starts, checkpoint.init_from weights that do not fit the model (what
+    config.json says it computes, then names and shapes), and LoRA with nothing pretrained to start from."""
+    c = cfg.checkpoint
+    if not c.init_from:
+        if cfg.finetune.method == "lora" and checkpoint_to_resume(cfg) is None:
+            raise UsageError(
+                "finetune.method=lora needs checkpoint.init_from: LoRA freezes pretrained weights and trains "
+                "adapters beside them, and from a random init it would train adapters on noise. Set "
+                "checkpoint.init_from to a directory of safetensors files (a Hugging Face model, or an export "
+                "such as runs/debug/export, which `bash scripts/run_local.sh` writes), or finetune.method=full"
+            )
+        return
+    try:
+        directory = weights_dir(Path(c.init_from))
+        match_config(cfg.model, directory)
+        match_names(cfg.model, directory)
+    except ValueError as error:
+        raise UsageError(f"checkpoint.init_from={c.init_from}: {error}") from None
 
 
 def load_pretrained(model: torch.nn.Module, cfg: Config) -> None:
@@ -145,11 +174,6 @@ def apply_initial_weights(model: torch.nn.Module, cfg: Config, strategy: Strateg
             meta = build_model_on_meta(cfg.model, cfg.finetune)  # the adapters' state-dict names, unwrapped
             strategy.apply_weights_from_rank0(model, lambda: initial_adapters(meta, cfg.train.seed), strict=False)
         return
-    if cfg.finetune.method == "lora":
-        logger.warning(
-            "finetune.method=lora without checkpoint.init_from: the adapters train on randomly initialised "
-            "weights, which stay random; set checkpoint.init_from to the pretrained weights to fine-tune"
-        )
     strategy.apply_weights_from_rank0(model, lambda: initial_state(cfg))
 
 

@@ -10,6 +10,7 @@ weights need renaming only, no permutation.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -17,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import ModelConfig
+from ..config import ModelConfig, RopeScaling
 from .spec import (
     HFLayout,
     LoraLayout,
@@ -30,12 +31,41 @@ from .spec import (
 )
 
 
-def rope_cache(head_dim: int, max_seq_len: int, theta: float, device=None) -> torch.Tensor:
-    """cos and sin tables, shape (max_seq_len, 2, head_dim), in float32."""
+def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None, device=None) -> torch.Tensor:
+    """Angle per position of each rotated pair of channels, in float32; with `scaling.rope_type` llama3,
+    Llama 3.1's long-context rule (the arithmetic of transformers' _compute_llama3_parameters).
+
+    The rule keeps frequencies whose wavelength is under original_max_position_embeddings /
+    high_freq_factor, divides those over original_max_position_embeddings / low_freq_factor by
+    `factor`, and blends the ones between: the model sees positions past its pretraining context
+    as it saw nearby ones. Llama 3.1 and 3.2 weights were trained with it, and compute something
+    else without it.
+    """
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    if scaling is None or scaling.rope_type == "none":
+        return inv_freq
+    context, low, high = scaling.original_max_position_embeddings, scaling.low_freq_factor, scaling.high_freq_factor
+    wavelength = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelength > context / low, inv_freq / scaling.factor, inv_freq)
+    smooth = (context / wavelength - low) / (high - low)
+    blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    between = (wavelength >= context / high) & (wavelength <= context / low)
+    return torch.where(between, blended, scaled)
+
+
+def rope_cache(
+    head_dim: int, max_seq_len: int, theta: float, device=None, scaling: RopeScaling | None = None
+) -> torch.Tensor:
+    """cos and sin tables, shape (max_seq_len, 2, head_dim), in float32."""
+    inv_freq = rope_frequencies(head_dim, theta, scaling, device)
     angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
     return torch.stack([angles.cos(), angles.sin()], dim=1)
+
+
+def model_rope_cache(cfg: ModelConfig, device=None) -> torch.Tensor:
+    """The rotary table of a model with this config: its head size, context, base and scaling."""
+    return rope_cache(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta, device, cfg.rope_scaling)
 
 
 def apply_rope(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
@@ -112,9 +142,7 @@ class Llama(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         # Derived from the config, never trained or saved: persistent=False keeps it out of
         # checkpoints, which is why init_buffers must recompute it after to_empty().
-        self.register_buffer(
-            "rope", rope_cache(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta), persistent=False
-        )
+        self.register_buffer("rope", model_rope_cache(cfg), persistent=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(tokens)
@@ -152,8 +180,7 @@ class Llama(nn.Module):
     @torch.no_grad()
     def init_buffers(self) -> None:
         """Recompute non-persistent buffers in place, on whatever device they now live on."""
-        cfg = self.cfg
-        self.rope.copy_(rope_cache(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta, device=self.rope.device))
+        self.rope.copy_(model_rope_cache(self.cfg, device=self.rope.device))
 
 
 # This repo's parameter names beside Hugging Face LlamaForCausalLM's ({i}: a layer, {x}: q, k, v
@@ -175,7 +202,12 @@ HF_NAMES = RenameTable(
 
 
 def hf_config_json(cfg: ModelConfig) -> str:
-    """config.json for transformers' LlamaForCausalLM with this model's shapes."""
+    """config.json for transformers' LlamaForCausalLM that computes what this model does.
+
+    Rotary scaling is written as Meta's Llama 3.x files write it (`rope_theta`, `rope_scaling` with
+    `rope_type`), which transformers 4 reads as is and transformers 5 files under `rope_parameters`.
+    """
+    scaling = dataclasses.asdict(cfg.rope_scaling)
     config = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -190,6 +222,7 @@ def hf_config_json(cfg: ModelConfig) -> str:
         "max_position_embeddings": cfg.max_seq_len,
         "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta,
+        "rope_scaling": None if scaling["rope_type"] == "none" else scaling,
         "tie_word_embeddings": cfg.tie_embeddings,
         "attention_bias": False,
         "mlp_bias": False,

@@ -14,9 +14,12 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from torch import nn
+
+from .config_math import read_config_json
 
 if TYPE_CHECKING:
     from ..config import Config, ModelConfig
@@ -102,6 +105,15 @@ def decoder_errors(cfg: Config) -> list[str]:
         errors.append("model.dim / model.n_heads must be even for rotary embeddings")
     if cfg.train.seq_len > m.max_seq_len:
         errors.append(f"train.seq_len={cfg.train.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+    r = m.rope_scaling
+    if r.rope_type == "llama3" and not (
+        r.factor > 0 and 0 < r.low_freq_factor < r.high_freq_factor and r.original_max_position_embeddings > 0
+    ):
+        errors.append(
+            f"model.rope_scaling (llama3) needs factor > 0, 0 < low_freq_factor < high_freq_factor and "
+            f"original_max_position_embeddings > 0, not {r.factor}, {r.low_freq_factor}, {r.high_freq_factor} and "
+            f"{r.original_max_position_embeddings} (Llama 3.1's are 8, 1, 4 and 8192)"
+        )
     return errors
 
 
@@ -138,6 +150,11 @@ class HFLayout:
     """The transformers name -> this repo's parameter name."""
     config_json: Callable[[ModelConfig], str]
     """The config.json that makes `AutoModelForCausalLM.from_pretrained` build this model."""
+    read_config: Callable[[Path], dict | None] = read_config_json
+    """A weights directory's config.json, complete (None if it has none); checkpoint.init_from compares
+    what it computes with `config_json`'s (models/config_math.py)."""
+    config_hint: str = ""
+    """Another fix for a config.json that computes otherwise, appended to the refusal."""
 
 
 @dataclass(frozen=True)
