@@ -113,6 +113,8 @@ MATRIX = {
     # LoRA fine-tuning of Llama 3.1 8B on one H100: frozen bf16 weights and adapters fit without
     # offload (full fine-tuning needs it here), so the planner picks DDP on the one GPU.
     "lora_8b_one_gpu": {"finetune": "lora", "gpus_per_node": 1},
+    # LoRA on CPU ranks at debug size: configs/debug-lora.toml fine-tunes the quick start's export.
+    "cpu_debug_lora": {"accelerator": "cpu", "model_size": "debug", "finetune": "lora"},
     # gloo on CUDA (slow but valid per the capability table).
     "cuda_gloo": {
         "gpu_arch": "ampere",
@@ -148,10 +150,15 @@ FLOAT8 = ["cpu_debug"]
 # against one process (about a minute), which the FULL renders leave out. Every decoder render
 # has the code and the test file; this one is a transformers model fine-tuned on chats.
 SFT = ["ada_offload"]
-# LORA: LoRA fine-tuning from a Hugging Face directory (tests/test_lora.py, four 8-step launches),
-# which the FULL renders leave out. Every llama and hf_causal_lm render has the code and the test
-# (with --finetune.method lora on its debug config); lora_8b_one_gpu renders the answer itself.
-LORA = ["cpu_debug"]
+# LORA: LoRA fine-tuning from a Hugging Face directory (tests/test_lora.py, five 8-step launches and
+# the README's two debug runs), which the FULL renders leave out. Every llama and hf_causal_lm render
+# has the code and the test (with --finetune.method lora on its debug config); cpu_debug_lora renders
+# the answer itself, so the README commands it runs are a LoRA render's (configs/debug-lora.toml).
+LORA = ["cpu_debug_lora"]
+# PRETRAINED: transformers' Llama 3.1 and 3.2 (published configs, tiny widths) read through
+# checkpoint.init_from at world size 2 (tests/test_pretrained.py, two launches), which the FULL
+# renders leave out; a transformers render, so its own config check (hf_causal_lm) runs too.
+PRETRAINED = ["ada_offload"]
 # TENSOR_PARALLEL: FSDP x tensor parallelism on 4 CPU ranks (2 x 2) against the golden losses, its
 # checkpoints resharded and its export, which the FULL renders leave out (tests/test_tensor_parallel.py;
 # every render has it, and the preset configs of renders such as blackwell_70b set the degree).

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import yaml
-from answers import FAULTS, FLOAT8, FULL, LORA, SFT, SMOKE, STRATEGIES, TENSOR_PARALLEL
+from answers import FAULTS, FLOAT8, FULL, LORA, PRETRAINED, SFT, SMOKE, STRATEGIES, TENSOR_PARALLEL
 
 RUN_ON_CPU = {
     "sharding": {"full", "shard_grad_op", "hybrid", "no_shard"},
@@ -30,7 +30,8 @@ def test_smoke_renders_cover_every_choice_that_runs_on_cpu(rendered):
 
 SMOKE_FILES = ["tests/test_smoke.py", "tests/test_fsdp_rules.py", "tests/test_plan.py"]
 # Generated test files that a selection of their own runs, in one render: the FULL renders skip them.
-OWN_SELECTION = ["tests/test_float8.py", "tests/test_sft.py", "tests/test_lora.py", "tests/test_tensor_parallel.py"]
+OWN_SELECTION = ["tests/test_float8.py", "tests/test_sft.py", "tests/test_lora.py", "tests/test_tensor_parallel.py",
+                 "tests/test_pretrained.py"]  # fmt: skip
 # What FULL runs in its first render only: subjects that do not change with a render's sharding,
 # rendezvous or checkpoint format (data, metrics, hardware detection, a new model), and the ZeRO
 # checkpoint and Join tests, which force DDP whatever the render says.
@@ -94,7 +95,12 @@ def test_generated_sft_masks_packs_and_matches_one_process(rendered, name):
 
 @pytest.mark.parametrize("name", LORA)
 def test_generated_lora_trains_only_adapters_and_exports_merged_weights(rendered, name):
-    run_every_test_of(rendered[name], "tests/test_lora.py", 23)
+    run_every_test_of(rendered[name], "tests/test_lora.py", 25)
+
+
+@pytest.mark.parametrize("name", PRETRAINED)
+def test_generated_pretrained_llama3_weights_compute_transformers_logits(rendered, name):
+    run_every_test_of(rendered[name], "tests/test_pretrained.py", 13)
 
 
 @pytest.mark.parametrize("name", TENSOR_PARALLEL)

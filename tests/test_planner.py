@@ -414,7 +414,7 @@ def test_generated_python_reads_presets_and_defaults_from_the_rendered_table(pla
     hooks = HOOKS
     presets = importlib.import_module("planpkg.presets")
     for name in ("LLAMA_PRESETS", "VIT_PRESETS", "DEBUG_RUN", "PEAK_TFLOPS", "GPU_ARCHS", "LINK_GBPS", "HEADROOM",
-                 "DEFAULT_BACKEND", "LORA"):  # fmt: skip
+                 "DEFAULT_BACKEND", "LORA", "LLAMA3_ROPE_SCALING"):  # fmt: skip
         assert getattr(presets, name) == getattr(hooks, name), name
     for kind in presets.GPU_ARCHS:
         assert presets.DEFAULT_PRECISION[kind] == hook("presets", "default_precision", "cuda", kind)
@@ -437,7 +437,7 @@ def test_generated_python_reads_presets_and_defaults_from_the_rendered_table(pla
             if isinstance(node, ast.AnnAssign) and node.target.id in names:
                 assert not isinstance(node.value, ast.Constant), f"{cls}.{node.target.id} copies a preset's value"
                 checked += 1
-    assert checked == 20
+    assert checked == 21
     run, vit = hooks.DEBUG_RUN, hooks.VIT_PRESETS["vit-debug"]
     assert (ModelConfig().dim, ModelConfig().image_size) == (hooks.LLAMA_PRESETS["debug"]["dim"], vit["image_size"])
     train = TrainConfig()

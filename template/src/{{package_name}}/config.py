@@ -107,6 +107,11 @@ class ModelConfig:
     num_classes: int = VIT_DEBUG["num_classes"]
     """vit: classes to predict."""
 
+    def __post_init__(self) -> None:
+        # ModelConfig(**LLAMA_PRESETS[name]) gives the preset's rope_scaling as presets.py holds it: a dict or None.
+        if not isinstance(self.rope_scaling, RopeScaling):
+            self.rope_scaling = RopeScaling(**(self.rope_scaling or {}))
+
 
 @dataclass
 class TrainConfig:
