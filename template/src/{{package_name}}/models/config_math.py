@@ -46,7 +46,7 @@ SETTINGS = {
     "rms_norm_eps": "model.norm_eps",
     "tie_word_embeddings": "model.tie_embeddings",
 }
-"""The config key that sets each field; the others (head_dim follows dim / n_heads) no [model] key changes."""
+"""The config key that sets each field; no [model] key sets the others (head_dim follows dim / n_heads)."""
 
 
 def read_config_json(directory: Path) -> dict | None:
@@ -79,8 +79,10 @@ def mismatches(ours: dict, theirs: dict) -> list[str]:
 
 def _differs(field: str, theirs: object, ours: object) -> str:
     said = f"{field} is {theirs!r} there and {ours!r} here"
+    if field == "head_dim":
+        return f"{said} (it is model.dim / model.n_heads here)"
     if field not in SETTINGS:
-        return f"{said} (no [model] key changes it: this repo's model cannot compute that one)"
+        return f"{said} (no [model] key sets it)"
     key = SETTINGS[field]
     if field != "rope_scaling":
         return f"{said} (set {key} = {json.dumps(theirs)})"
