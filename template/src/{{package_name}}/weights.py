@@ -1,7 +1,9 @@
 """Full model weights: the initial ones, pretrained ones read in, and exported ones.
 
 Pretrained weights (`checkpoint.init_from`: a directory of safetensors files, this repo's names
-or a Hugging Face model's) and exports are read and written through DCP's Hugging Face storage:
+or a Hugging Face model's) are checked before the process group starts: what their config.json
+says the model computes (models/config_math.py), then names and shapes. They and exports are read
+and written through DCP's Hugging Face storage:
 each rank reads or writes only the slices it holds, so no rank ever holds the whole model. An
 export is `model.safetensors`, or `model-0000x-of-0000y.safetensors` with an index once the model
 passes checkpoint.export_file_gb (5 GB, as transformers' save_pretrained). `safetensors` keeps

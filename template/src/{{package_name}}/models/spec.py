@@ -112,7 +112,7 @@ def decoder_errors(cfg: Config) -> list[str]:
         errors.append(
             f"model.rope_scaling (llama3) needs factor > 0, 0 < low_freq_factor < high_freq_factor and "
             f"original_max_position_embeddings > 0, not {r.factor}, {r.low_freq_factor}, {r.high_freq_factor} and "
-            f"{r.original_max_position_embeddings} (Llama 3.1's are 8, 1, 4 and 8192)"
+            f"{r.original_max_position_embeddings} (the Llama 3.x presets hold the published values)"
         )
     return errors
 
