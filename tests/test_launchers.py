@@ -13,6 +13,7 @@ import shlex
 import shutil
 import signal
 import subprocess
+import sys
 import time
 import tomllib
 from pathlib import Path
@@ -505,6 +506,33 @@ def test_readme_explains_each_selected_launcher(renders):
         for launcher, command in expected.items():
             assert (command in readme) == (launcher in answers["launchers"]), (name, launcher)
         assert (".github/workflows/ci.yml" in readme) == answers["ci_workflow"], name
+        # The file table names each generated launcher file, both Kubernetes jobs when both are chosen,
+        # and the oldest operator that runs the job.
+        for launcher, files in LAUNCHER_FILES.items():
+            row = f"| `{files[0]}`"
+            assert (row in readme) == (launcher in answers["launchers"]), (name, launcher)
+        if "kubernetes" in answers["launchers"]:
+            assert "v1.7.0 or newer" in readme and "v1.7.0 or newer" in (root / "k8s" / "pytorchjob.yaml").read_text()
+        if "kubernetes_trainjob" in answers["launchers"]:
+            assert "v2.2.0 or newer" in readme and "v2.2.0 or newer" in (root / "k8s" / "trainjob.yaml").read_text()
+
+
+def test_readmes_launchers_command_renders_as_typed(tmp_path):
+    """The template README's `-d 'launchers=[...]'` line, run as typed (from a checkout, into ../myproj)."""
+    readme = (TEMPLATE / "README.md").read_text()
+    (line,) = [ln for ln in readme.splitlines() if ln.startswith("copier copy") and "launchers=[" in ln]
+    args = shlex.split(line)
+    assert args[-2:] == [".", "../myproj"], args
+    work = tmp_path / "checkout"
+    work.mkdir()
+    copier = shutil.which("copier", path=str(Path(sys.executable).parent)) or "copier"
+    proc = subprocess.run([copier, *args[1:-2], str(TEMPLATE), str(tmp_path / "myproj")], capture_output=True,
+                          text=True, cwd=work)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    launchers = yaml.safe_load(line.split("launchers=", 1)[1].split("'", 1)[0])
+    assert answers_of(tmp_path / "myproj")["launchers"] == launchers
+    for launcher in launchers:
+        assert (tmp_path / "myproj" / LAUNCHER_FILES[launcher][0]).is_file(), launcher
 
 
 def test_template_readme_documents_the_questions():
