@@ -70,14 +70,15 @@ def git(cwd: Path, *args: str) -> str:
     return subprocess.run(["git", *identity, *args], cwd=cwd, check=True, capture_output=True, text=True).stdout
 
 
-def tagged_template(root: Path, tag: str = "v1.0.0") -> Path:
-    """A copy of this template as a git repository whose HEAD is tagged `tag` (what update needs)."""
+def tagged_template(root: Path, tag: str | None = "v1.0.0") -> Path:
+    """A copy of this template as a git repository whose HEAD is tagged `tag` (what update needs; None: no tag)."""
     tpl = root / "template"
     shutil.copytree(TEMPLATE, tpl, ignore=shutil.ignore_patterns(".git", ".venv", "__pycache__", ".pytest_cache"))
     git(tpl, "init", "-q")
     git(tpl, "add", "-A")
-    git(tpl, "commit", "-qm", tag)
-    git(tpl, "tag", tag)
+    git(tpl, "commit", "-qm", tag or "untagged")
+    if tag:
+        git(tpl, "tag", tag)
     return tpl
 
 

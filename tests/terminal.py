@@ -1,6 +1,10 @@
-"""Drive `copier copy` the way a person does: in a pseudo-terminal, reading each prompt and
-answering with keystrokes (arrow keys, Enter, typing). Copier validates typed answers and shows
-choices whose validator fails as disabled; these tests see exactly what a user sees."""
+"""Drive `copier copy` the way a person does: in a pseudo-terminal 100 columns wide, reading each
+prompt and answering with keystrokes (arrow keys, Enter, typing). Copier validates typed answers
+and shows choices whose validator fails as disabled; these tests see exactly what a user sees.
+
+Copier's prompt library (questionary on prompt_toolkit) cuts a line at the terminal's edge instead
+of wrapping it, and shows a typed answer's refusal on one line; `shown_lines` lists every line the
+questions show for a set of answers, so a test can hold each to COLUMNS."""
 
 from __future__ import annotations
 
@@ -8,9 +12,13 @@ import os
 import re
 import shutil
 import sys
+import unicodedata
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from unittest import mock
 
+import copier
 import pexpect
 import yaml
 
@@ -18,6 +26,30 @@ TEMPLATE = Path(__file__).resolve().parents[1]
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b[()][A-Za-z0-9]|\x1b[=>]|\r")
 QMARK = "🎤"
 DOWN, UP, ENTER, CLEAR_LINE = "\x1b[B", "\x1b[A", "\r", "\x15"
+COLUMNS = 100
+"""The terminal width the questions are written for: every help line, choice and refusal fits it."""
+
+
+def columns(line: str) -> int:
+    """How many terminal columns `line` takes (an emoji such as the prompt's microphone takes two)."""
+    return sum(2 if unicodedata.east_asian_width(ch) in "WF" else 1 for ch in line)
+
+
+def choice_labels(name: str) -> dict:
+    """A pick-from-list question's choices: value -> label, from copier.yml."""
+    choices = yaml.safe_load((TEMPLATE / "copier.yml").read_text())[name]["choices"]
+    if isinstance(choices, list):
+        return {c: str(c) for c in choices}
+    return {spec["value"] if isinstance(spec, dict) else spec: label for label, spec in choices.items()}
+
+
+def refusal_line(question: str, value, message: str) -> str:
+    """The line a terminal shows for an answer that `copier copy -d question=value` refuses with `message`:
+    a disabled choice as questionary draws it, or a typed answer's refusal, which copier words alike."""
+    prefix = f"Invalid choice for '{question}': "
+    if message.startswith(prefix):
+        return f"   - {choice_labels(question)[value]} ({message.removeprefix(prefix)})"
+    return message
 
 
 def question_prefixes() -> dict[str, str]:
@@ -38,6 +70,8 @@ class Choice:
     label: str
     disabled: str = ""
     """The reason the choice cannot be picked, as the prompt shows it; empty when it can."""
+    whole: bool = True
+    """Whether the reason is on screen to its end (a line longer than the terminal is cut)."""
 
 
 @dataclass
@@ -67,7 +101,7 @@ class CopierSession:
             "PROMPT_TOOLKIT_NO_CPR": "1",
         }
         self.child = pexpect.spawn(copier, ["copy", "--vcs-ref", "HEAD", *extra, str(TEMPLATE), str(dst)],
-                                   env=env, encoding="utf-8", dimensions=(100, 1000), timeout=120)  # fmt: skip
+                                   env=env, encoding="utf-8", dimensions=(50, COLUMNS), timeout=120)  # fmt: skip
         self.prefixes = question_prefixes()
         self.screen = ""  # everything printed so far, escape codes removed
         self.asked: list[str] = []
@@ -115,17 +149,22 @@ class CopierSession:
     def _parse(self, name: str, text: str) -> Prompt:
         prompt = Prompt(name, text)
         lines = [line for line in text.split("\n")[1:] if line.strip()]
-        if not lines or "(Use arrow keys" not in lines[0]:
+        start = next((i for i, line in enumerate(lines) if "(Use arrow keys" in line), None)  # after the help's lines
+        if start is None:
             return prompt
         labels = sorted(self._labels(name), key=len, reverse=True)
-        for line in lines[1:]:
+        for line in lines[start + 1 :]:
             body = line[3:]
             disabled = body.startswith("- ")
             body = body[2:] if disabled else body
             label = next((lb for lb in labels if body.startswith(lb)), body.strip())
-            # questionary shows a disabled choice as "- <label> (<reason>)"
-            reason = body[len(label) :].strip().removeprefix("(").removesuffix(")") if disabled else ""
-            prompt.choices.append(Choice(label, reason or ("disabled" if disabled else "")))
+            # questionary shows a disabled choice as "- <label> (<reason>)"; a reason cut at the
+            # terminal's edge has no closing parenthesis.
+            shown = body[len(label) :].strip()
+            reason = shown.removeprefix("(").removesuffix(")") if disabled else ""
+            prompt.choices.append(
+                Choice(label, reason or ("disabled" if disabled else ""), not disabled or shown.endswith(")"))
+            )
             if line.startswith(" » "):
                 prompt.pointer = len(prompt.choices) - 1
         return prompt
@@ -169,3 +208,41 @@ class CopierSession:
             (answer or (lambda p: self.accept()))(prompt)
         self.child.close()
         return self.child.exitstatus
+
+
+def shown_lines(wanted: dict, dst: Path) -> list[tuple[str, str]]:
+    """(question, line) for each line `copier copy` shows a user who answers yes to `customize`, `wanted`
+    where given and the default elsewhere: every help line, every choice (disabled ones with their
+    reason) and the refusal of an answer copier refuses (the default is taken instead). Copier builds
+    each prompt as it would for the terminal; only the keystrokes are left out."""
+    shown: list[tuple[str, str]] = []
+
+    def prompt(questions: list[dict], answers: dict) -> dict:  # questionary's unsafe_prompt, as copier calls it
+        (q,) = questions
+        name, default = q["name"], answers[q["name"]]
+        if not q["when"](answers):  # a question its `when` skips: questionary keeps the default, shows nothing
+            return {name: default}
+        answer = wanted.get(name, True if name == "customize" else default)
+        help_lines = q["message"].rstrip().split("\n")
+        shown.extend((name, f"{q['qmark']} {line}" if i == 0 else line) for i, line in enumerate(help_lines))
+        if q["type"] == "select":
+            for c in q["choices"]:
+                shown.append((name, f"   - {c.title} ({c.disabled})" if c.disabled else f"   {c.title}"))
+            allowed = [c.value for c in q["choices"] if not c.disabled]
+            return {name: answer if answer in allowed else default}
+        if q["type"] == "checkbox":
+            shown.extend((name, f"   ○ {c.title}") for c in q["choices"])
+        if q["type"] == "confirm":
+            return {name: answer}
+        typed = answer if q["type"] == "checkbox" else str(answer)
+        verdict = q["validate"](typed)
+        if verdict is not True:
+            shown.append((name, verdict))
+            return {name: default}
+        return {name: typed if q["type"] == "checkbox" else q["filter"](typed)}
+
+    with mock.patch("copier._main.unsafe_prompt", prompt), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DirtyLocalWarning while developing the template
+        copier.run_copy(str(TEMPLATE), str(dst), defaults=False, unsafe=False, settings=copier.Settings(),
+                        vcs_ref="HEAD", quiet=True, pretend=True)  # fmt: skip
+    return shown

@@ -13,7 +13,7 @@ import re
 import pytest
 import yaml
 from conftest import TEMPLATE, answers_of, misfit, render
-from terminal import DOWN, UP, CopierSession
+from terminal import COLUMNS, DOWN, UP, CopierSession, columns, shown_lines
 
 # The questions a user who accepts the plan answers, per kind of machine.
 SHORT_PATH_CUDA = ["project_name", "accelerator", "gpu_arch", "gpus_per_node", "num_nodes", "gpu_memory_gb",
@@ -110,9 +110,11 @@ def test_volta_then_fp32_then_enter_completes_with_a_plan_that_fits(session, tmp
 
 
 def pick_disabled(s: CopierSession, label: str) -> str:
-    """The reason `label` cannot be picked at the current prompt (and assert that it cannot)."""
+    """The reason `label` cannot be picked at the current prompt, on screen to its end (and assert that
+    it cannot be picked)."""
     choice = s.current.choice(label)
     assert choice.disabled, f"{s.current.name}: {label} is selectable"
+    assert choice.whole, f"{s.current.name}: {label}'s reason is cut at the terminal's edge: {choice.disabled}"
     with pytest.raises(AssertionError):
         s.pick(label)
     return choice.disabled
@@ -156,11 +158,12 @@ def test_impossible_picks_on_one_gpu_node_are_disabled_or_refused(session, tmp_p
     s.accept()
     assert s.finish() == 0
 
-    assert "would shadow" in refusals["package_name=launch"] and "e.g. launch_train" in refusals["package_name=launch"]
-    assert "must divide gpus_per_node=8" in refusals["tensor_parallel=3"]
-    assert "must be between 1 and 131072" in refusals["seq_len=200000"]
-    assert NUMBERS.search(refusals["micro_batch_size=64"]) and "1 fits" in refusals["micro_batch_size=64"]
-    assert "choose activation_checkpointing=selective" in refusals["activation_checkpointing=none"]
+    # A typed answer's refusal is one line under the prompt: the fix first, and on screen to its end.
+    assert refusals["package_name=launch"].endswith("try launch_train: 'launch' shadows an imported module")
+    assert refusals["tensor_parallel=3"].endswith("answer 1, 2, 4 or 8 (divides gpus_per_node=8)")
+    assert refusals["seq_len=200000"].endswith("must be between 1 and 131072 (the preset's max_seq_len)")
+    assert re.search(r"1 fits: 64 need \d+\.\d GiB per GPU, 72\.0 usable$", refusals["micro_batch_size=64"])
+    assert refusals["activation_checkpointing=none"].startswith("choose activation_checkpointing=selective: at best")
     assert NUMBERS.search(refusals["activation_checkpointing=none"])
     assert "hybrid needs several nodes" in refusals["sharding=hybrid"]
     assert "needs a sharded mode" in refusals["cpu_offload=yes with no_shard"]
@@ -189,7 +192,8 @@ def test_impossible_picks_when_memory_is_short(session, tmp_path):
     s.pick("full")
     run_to(s, "sharding", {})
     for mode in ["shard_grad_op", "no_shard"]:  # one GPU: only full sharding with offload fits
-        assert "nothing fits" in pick_disabled(s, mode)
+        reason = pick_disabled(s, mode)
+        assert reason.startswith("choose sharding=full: at best") and reason.endswith("7.2 usable"), reason
     s.pick("full")
     s.next_prompt()
     no_offload = pick_disabled(s, "no")
@@ -210,29 +214,29 @@ def test_impossible_picks_on_cpu_ranks_and_for_an_image_model(session, tmp_path)
     s.confirm(True)
     s.next_prompt()
     empty = s.type("")  # a refusal's example is never empty
-    assert "not a lowercase Python identifier" in empty and "(e.g. fsdp_train)" in empty, empty
+    assert empty.endswith("try fsdp_train: '' is not a lowercase identifier"), empty
     assert s.type("vision") == ""
     run_to(s, "model_type", {})
     s.pick("A Vision Transformer")
     s.next_prompt()
     assert s.current.name == "finetune"
-    assert "llama or hf_causal_lm, and vit has none: choose full" in pick_disabled(s, "lora")
+    assert pick_disabled(s, "lora") == "choose full: LoRA adapts only llama and hf_causal_lm"
     s.accept()
     s.next_prompt()
     assert "an image-model preset" not in s.current.choice("vit-debug").disabled
     assert "a decoder preset" in pick_disabled(s, "8b")
     s.pick("vit-debug")
     run_to(s, "data_source", {})
-    assert "token data" in pick_disabled(s, "memmap")
-    assert "token data" in pick_disabled(s, "sft")
+    assert pick_disabled(s, "memmap") == "for vit: choose image_folder or synthetic"
+    assert pick_disabled(s, "sft") == "for vit: choose image_folder or synthetic"
     s.accept()
     run_to(s, "backend", {})
     for backend in ["nccl", "xccl"]:
-        assert "cannot run collectives on cpu" in pick_disabled(s, backend)
-    assert "does not support reduce_scatter" in pick_disabled(s, "mpi")
+        assert pick_disabled(s, backend).startswith(f"choose gloo: {backend} cannot run collectives on cpu")
+    assert pick_disabled(s, "mpi") == "choose gloo or sharding=no_shard: mpi does not support reduce_scatter on cpu"
     s.accept()
     run_to(s, "checkpoint_export", {})
-    assert "transformers has no class for model_type vit" in pick_disabled(s, "hf")
+    assert pick_disabled(s, "hf") == "choose safetensors: transformers has no class for vit"
     s.accept()
     run_to(s, "launchers", {})
     assert [c.label[2:10] for c in s.current.choices[:2]] == ["torchrun", "SLURM ba"]  # ticked: the default
@@ -258,3 +262,31 @@ def test_no_pick_from_list_question_relies_on_a_question_level_validator():
             continue
         typed = "choices" not in spec and spec.get("type") in ("int", "str", "path", "float")
         assert typed or spec.get("multiselect"), f"{name}: its validator would never run in a terminal"
+
+
+# Answer sets whose questions, between them, show every question and disable or refuse the most; the
+# other questions take their defaults. Refused answers (a typed tensor_parallel=3, ...) show their
+# refusal, and the default is taken instead.
+SCREENS = {
+    "cpu_vit_two_nodes": {"accelerator": "cpu", "num_nodes": 2, "model_type": "vit", "package_name": "launch",
+                          "launchers": [], "checkpoint_keep_last": 0},
+    "one_small_volta": {"gpu_arch": "volta", "gpus_per_node": 1, "gpu_memory_gb": 8, "project_name": "my project"},
+    "ddp_8b_on_h100s": {"activation_checkpointing": "full", "sharding": "no_shard", "tensor_parallel": 3,
+                        "seq_len": 100000, "micro_batch_size": 64},
+    "hf_lora_fp16": {"model_type": "hf_causal_lm", "finetune": "lora", "mixed_precision": "fp16", "tensor_parallel": 2},
+}  # fmt: skip
+
+
+def test_every_line_the_questions_show_fits_the_terminal(tmp_path):
+    """Copier's prompts cut what does not fit: every help line, choice, disabled reason and refusal
+    fits COLUMNS, so a user sees each figure and each fix. The questions come from copier.yml, so a
+    new one is held to this too (and must be shown by one of SCREENS)."""
+    too_wide, asked = [], set()
+    for name, wanted in SCREENS.items():
+        for question, line in shown_lines(wanted, tmp_path / name):
+            asked.add(question)
+            if columns(line) > COLUMNS:
+                too_wide.append(f"{name} {question} ({columns(line)}): {line}")
+    assert not too_wide, "\n".join(too_wide)
+    questions = {k for k in yaml.safe_load((TEMPLATE / "copier.yml").read_text()) if not k.startswith("_")}
+    assert asked == questions, f"shown by no answer set: {sorted(questions - asked)}"

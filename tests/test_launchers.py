@@ -13,6 +13,7 @@ import shlex
 import shutil
 import signal
 import subprocess
+import sys
 import time
 import tomllib
 from pathlib import Path
@@ -85,13 +86,11 @@ def test_each_launcher_renders_its_files_and_only_those(renders, name):
     assert not (root / "k8s").exists() or K8S & set(answers["launchers"])
 
 
-def test_a_multi_node_plan_needs_a_launcher(tmp_path):
-    with pytest.raises(ValueError, match="'launchers'") as refusal:
-        render(tmp_path / "p", {"num_nodes": 2, "model_size": "1b", "launchers": []})
-    assert "needs a launcher" in str(refusal.value)
-    assert not (tmp_path / "p").exists()
+def test_an_unknown_launcher_is_refused(tmp_path):
+    # A multi-node plan without a launcher: tests/test_refusals.py (two_nodes_no_launcher).
     with pytest.raises(ValueError, match="'launchers'"):
         render(tmp_path / "q", {"launchers": ["pbs"]})
+    assert not (tmp_path / "q").exists()
 
 
 @pytest.mark.skipif(
@@ -114,6 +113,11 @@ case "$1" in
   *) exit 1 ;;
 esac
 """
+# python as the batch script's check: logs what it was asked to check, then exits with FAKE_CHECK_STATUS.
+FAKE_PYTHON = """#!/usr/bin/env bash
+echo "check $WORLD_SIZE/$LOCAL_WORLD_SIZE $*" >> "$FAKE_LOG"
+exit "${FAKE_CHECK_STATUS:-0}"
+"""
 # srun as the training step: waits for the time-limit warning that the batch script forwards.
 FAKE_SRUN = """#!/usr/bin/env bash
 trap 'echo "step got USR1" >> "$FAKE_LOG"; kill "$sleeper"; exit 0' USR1
@@ -127,7 +131,7 @@ exit "${FAKE_STEP_STATUS:-0}"
 def slurm_env(tmp_path: Path, nodes: int, job_id: int = 4242, **extra: str) -> dict[str, str]:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
-    for name, text in (("scontrol", FAKE_SCONTROL), ("srun", FAKE_SRUN)):
+    for name, text in (("scontrol", FAKE_SCONTROL), ("srun", FAKE_SRUN), ("python", FAKE_PYTHON)):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
     hosts = [f"gpu{17 + i:03d}" for i in range(nodes)]
@@ -255,17 +259,25 @@ def test_slurm_requeues_itself_after_the_time_limit_warning(renders, tmp_path):
     job.send_signal(signal.SIGUSR1)  # what --signal=B:USR1@120 sends
     assert job.wait(timeout=20) == 0, job.stderr.read()
     events = log.read_text().splitlines()
-    assert events[0].startswith("step started: --nodes=2 ")
-    assert events[1:] == ["step got USR1", "requeue 4242"]
+    # One process checks the config for all 2 x 8 ranks before srun starts any.
+    assert events[0] == "check 16/8 -m fsdp_train.train --check-only --config configs/1b.toml"
+    assert events[1].startswith("step started: --nodes=2 ")
+    assert events[2:] == ["step got USR1", "requeue 4242"]
 
 
 def test_slurm_passes_on_a_failure_without_requeueing(renders, tmp_path):
     root = renders["two_nodes_defaults"]
     env = slurm_env(tmp_path, nodes=2, FAKE_STEP_STATUS="3")
-    (tmp_path / "bin" / "srun").write_text('#!/usr/bin/env bash\nexit "$FAKE_STEP_STATUS"\n')
+    (tmp_path / "bin" / "srun").write_text('#!/usr/bin/env bash\necho srun >> "$FAKE_LOG"; exit "$FAKE_STEP_STATUS"\n')
     proc = subprocess.run(["bash", "scripts/slurm.sbatch"], cwd=root, env=env, capture_output=True, timeout=30)
     assert proc.returncode == 3
-    assert not Path(env["FAKE_LOG"]).exists()  # no requeue
+    assert Path(env["FAKE_LOG"]).read_text().splitlines()[1:] == ["srun"]  # no requeue
+    # Bad input: the check's exit code 2, and srun never runs.
+    Path(env["FAKE_LOG"]).unlink()
+    proc = subprocess.run(["bash", "scripts/slurm.sbatch"], cwd=root, env={**env, "FAKE_CHECK_STATUS": "2"},
+                          capture_output=True, timeout=30)  # fmt: skip
+    assert proc.returncode == 2
+    assert [line.split()[0] for line in Path(env["FAKE_LOG"]).read_text().splitlines()] == ["check"]
 
 
 # ---------------------------------------------------------------- torchrun on every node
@@ -294,10 +306,17 @@ def test_run_multinode_starts_tcp_ranks_directly(renders, tmp_path):
     env |= {"HEAD": "gpu017", "NODE_RANK": "1", "NPROC": "2"}
     proc = subprocess.run(["bash", "scripts/run_multinode.sh", "--train.steps", "3"], cwd=root, env=env, timeout=30)
     assert proc.returncode == 0
-    lines = sorted((tmp_path / "log").read_text().splitlines())
-    # NODE_RANK 1 of 2 nodes x 2 ranks: global ranks 2 and 3, local ranks 0 and 1.
+    check, *ranks = (tmp_path / "log").read_text().splitlines()
+    # First one process checks the config for all 4 ranks (no RANK: it is no rank) ...
+    assert check == "/4/ -m fsdp_train.train --check-only --config configs/debug.toml --train.steps 3"
+    # ... then NODE_RANK 1 of 2 nodes x 2 ranks: global ranks 2 and 3, local ranks 0 and 1.
     tail = "-m fsdp_train.train --config configs/debug.toml --train.steps 3 --dist.init_method tcp://gpu017:29500"
-    assert lines == [f"2/4/0 {tail}", f"3/4/1 {tail}"]
+    assert sorted(ranks) == [f"2/4/0 {tail}", f"3/4/1 {tail}"]
+    # Bad input: the check exits 2 and no rank starts.
+    (probe / "python").write_text('#!/usr/bin/env bash\necho "$*" >> "$PROBE_LOG"; exit 2\n')
+    (tmp_path / "log").unlink()
+    proc = subprocess.run(["bash", "scripts/run_multinode.sh"], cwd=root, env=env, timeout=30)
+    assert proc.returncode == 2 and len((tmp_path / "log").read_text().splitlines()) == 1
 
 
 # ---------------------------------------------------------------- Kubernetes
@@ -345,7 +364,7 @@ def validate_with_sdk(doc: dict, kind: str) -> None:
 
 
 @pytest.mark.parametrize("name", ["cpu_tcp_all", "volta_file_all", "xpu_kubernetes"])
-def test_pytorchjob_is_valid_and_matches_the_plan(renders, name):
+def test_pytorchjob_is_valid_and_matches_the_plan(renders, name, tmp_path):
     root, answers = renders[name], answers_of(renders[name])
     job = yaml.safe_load((root / "k8s" / "pytorchjob.yaml").read_text())
     validate_with_sdk(job, "KubeflowOrgV1PyTorchJob")
@@ -370,7 +389,7 @@ def test_pytorchjob_is_valid_and_matches_the_plan(renders, name):
         limits = container.get("resources", {}).get("limits", {})
         assert limits == ({resource: str(answers["gpus_per_node"])} if resource else {})
         command = container["command"]
-        assert command[:3] == ["torchrun", "-m", f"{answers['package_name']}.train"]
+        check_then_torchrun(command, answers, tmp_path)
         config = command[command.index("--config") + 1]
         assert config == f"configs/{answers['model_size']}.toml" and (root / config).is_file()
         init = tomllib.loads((root / config).read_text())["dist"]["init_method"]
@@ -385,6 +404,32 @@ def test_pytorchjob_is_valid_and_matches_the_plan(renders, name):
     assert pvc["kind"] == "PersistentVolumeClaim" and pvc["spec"]["accessModes"] == ["ReadWriteMany"]
     assert claims["runs"] == pvc["metadata"]["name"]
     assert re.fullmatch(r"[1-9][0-9]*Gi", pvc["spec"]["resources"]["requests"]["storage"])
+
+
+def check_then_torchrun(command: list[str], answers: dict, tmp_path: Path) -> None:
+    """A container's command run as its pod runs it, with PET_NNODES and PET_NPROC_PER_NODE set as the
+    operator sets them and python and torchrun replaced by probes: one process checks the inputs for
+    every rank of the job, then torchrun starts with the same arguments; a refusal (exit code 2)
+    ends the container with that code, and torchrun never starts."""
+    probe = tmp_path / "k8s-probe"
+    probe.mkdir(exist_ok=True)
+    for name in ("python", "torchrun"):
+        line = f'echo "{name} $WORLD_SIZE/$LOCAL_WORLD_SIZE $*" >> "$PROBE_LOG"'
+        (probe / name).write_text(f'#!/usr/bin/env bash\n{line}\nexit "${{CHECK_STATUS:-0}}"\n')
+        (probe / name).chmod(0o755)
+    nodes, per_node = answers["num_nodes"], answers["gpus_per_node"]
+    log = probe / "log"
+    env = {"PATH": f"{probe}:/usr/bin:/bin", "PROBE_LOG": str(log), "PET_NNODES": str(nodes),
+           "PET_NPROC_PER_NODE": str(per_node)}  # fmt: skip
+    module = f"{answers['package_name']}.train"
+    assert command[:2] == ["bash", "-c"] and command[3] == module
+    args = " ".join(command[4:])
+    check = f"python {nodes * per_node}/{per_node} -m {module} --check-only {args}"
+    for status, expected in [("0", [check, f"torchrun / -m {module} {args}"]), ("2", [check])]:
+        log.unlink(missing_ok=True)
+        proc = subprocess.run(command, env={**env, "CHECK_STATUS": status}, capture_output=True, text=True, timeout=30)
+        assert proc.returncode == int(status), proc.stderr
+        assert log.read_text().splitlines() == expected
 
 
 def unknown_fields(value, annotation, path: str = "") -> list[str]:
@@ -412,7 +457,7 @@ def unknown_fields(value, annotation, path: str = "") -> list[str]:
 
 
 @pytest.mark.parametrize("name", ["cpu_tcp_all", "volta_file_all", "xpu_kubernetes"])
-def test_trainjob_is_valid_and_matches_the_plan(renders, name):
+def test_trainjob_is_valid_and_matches_the_plan(renders, name, tmp_path):
     models = pytest.importorskip("kubeflow_trainer_api.models", reason="kubeflow-trainer-api is not installed")
     root, answers = renders[name], answers_of(renders[name])
     doc = yaml.safe_load((root / "k8s" / "trainjob.yaml").read_text())
@@ -434,7 +479,7 @@ def test_trainjob_is_valid_and_matches_the_plan(renders, name):
     assert limits == ({resource: str(answers["gpus_per_node"])} if resource else {})
     command = trainer.command
     # torchrun, as the torch-distributed runtime expects: it reads the PET_* variables the runtime sets.
-    assert command[:3] == ["torchrun", "-m", f"{answers['package_name']}.train"]
+    check_then_torchrun(command, answers, tmp_path)
     config = command[command.index("--config") + 1]
     assert (
         config == f"/workspace/configs/{answers['model_size']}.toml" and (root / config[len("/workspace/") :]).is_file()
@@ -505,6 +550,33 @@ def test_readme_explains_each_selected_launcher(renders):
         for launcher, command in expected.items():
             assert (command in readme) == (launcher in answers["launchers"]), (name, launcher)
         assert (".github/workflows/ci.yml" in readme) == answers["ci_workflow"], name
+        # The file table names each generated launcher file, both Kubernetes jobs when both are chosen,
+        # and the oldest operator that runs the job.
+        for launcher, files in LAUNCHER_FILES.items():
+            row = f"| `{files[0]}`"
+            assert (row in readme) == (launcher in answers["launchers"]), (name, launcher)
+        if "kubernetes" in answers["launchers"]:
+            assert "v1.7.0 or newer" in readme and "v1.7.0 or newer" in (root / "k8s" / "pytorchjob.yaml").read_text()
+        if "kubernetes_trainjob" in answers["launchers"]:
+            assert "v2.2.0 or newer" in readme and "v2.2.0 or newer" in (root / "k8s" / "trainjob.yaml").read_text()
+
+
+def test_readmes_launchers_command_renders_as_typed(tmp_path):
+    """The template README's `-d 'launchers=[...]'` line, run as typed (from a checkout, into ../myproj)."""
+    readme = (TEMPLATE / "README.md").read_text()
+    (line,) = [ln for ln in readme.splitlines() if ln.startswith("copier copy") and "launchers=[" in ln]
+    args = shlex.split(line)
+    assert args[-2:] == [".", "../myproj"], args
+    work = tmp_path / "checkout"
+    work.mkdir()
+    copier = shutil.which("copier", path=str(Path(sys.executable).parent)) or "copier"
+    proc = subprocess.run([copier, *args[1:-2], str(TEMPLATE), str(tmp_path / "myproj")], capture_output=True,
+                          text=True, cwd=work)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    launchers = yaml.safe_load(line.split("launchers=", 1)[1].split("'", 1)[0])
+    assert answers_of(tmp_path / "myproj")["launchers"] == launchers
+    for launcher in launchers:
+        assert (tmp_path / "myproj" / LAUNCHER_FILES[launcher][0]).is_file(), launcher
 
 
 def test_template_readme_documents_the_questions():

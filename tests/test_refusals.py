@@ -6,23 +6,32 @@ import re
 
 import pytest
 import yaml
-from conftest import answers_of, misfit, render
+from conftest import TEMPLATE, answers_of, misfit, render
+from terminal import COLUMNS, columns, refusal_line
 
 REFUSED = {
-    "nccl_on_cpu": ({"accelerator": "cpu", "backend": "nccl"}, "backend", "cannot run collectives on cpu"),
+    "nccl_on_cpu": (
+        {"accelerator": "cpu", "backend": "nccl"},
+        "backend",
+        "choose gloo: nccl cannot run collectives on cpu",
+    ),
     "xccl_on_cuda": ({"backend": "xccl"}, "backend", "cannot run collectives on cuda"),
     "gloo_on_xpu": ({"accelerator": "xpu", "backend": "gloo"}, "backend", "cannot run collectives on xpu"),
-    "mpi_cannot_shard": ({"backend": "mpi", "sharding": "full"}, "backend", "does not support reduce_scatter"),
+    "mpi_cannot_shard": (
+        {"backend": "mpi", "sharding": "full"},
+        "backend",
+        "choose nccl or sharding=no_shard: mpi does not support reduce_scatter",
+    ),
     "bf16_on_volta": ({"gpu_arch": "volta", "mixed_precision": "bf16"}, "mixed_precision", "compute capability 8.0"),
     "bf16_on_turing": ({"gpu_arch": "turing", "mixed_precision": "bf16"}, "mixed_precision", "turing is 7.5"),
     "hybrid_on_one_node": ({"sharding": "hybrid"}, "sharding", "hybrid needs several nodes"),
-    "package_with_dash": ({"package_name": "my-model"}, "package_name", "not a lowercase Python identifier"),
-    "package_with_digit": ({"package_name": "1st_try"}, "package_name", "not a lowercase Python identifier"),
-    "package_shadows_torch": ({"package_name": "torch"}, "package_name", "would shadow"),
-    "package_shadows_a_test_helper": ({"package_name": "launch"}, "package_name", "e.g. launch_train"),
-    "package_name_empty": ({"package_name": ""}, "package_name", "(e.g. fsdp_train)"),
+    "package_with_dash": ({"package_name": "my-model"}, "package_name", "try my_model: 'my-model' is not a lowercase"),
+    "package_with_digit": ({"package_name": "1st_try"}, "package_name", "not a lowercase identifier"),
+    "package_shadows_torch": ({"package_name": "torch"}, "package_name", "'torch' shadows an imported module"),
+    "package_shadows_a_test_helper": ({"package_name": "launch"}, "package_name", "try launch_train"),
+    "package_name_empty": ({"package_name": ""}, "package_name", "try fsdp_train"),
     "package_is_a_keyword": ({"package_name": "lambda"}, "package_name", "keyword"),
-    "project_name_with_space": ({"project_name": "my project"}, "project_name", "letters, digits"),
+    "project_name_with_space": ({"project_name": "my project"}, "project_name", "try my-project: only letters, digits"),
     "70b_on_one_small_gpu": (
         {"gpus_per_node": 1, "gpu_memory_gb": 8, "model_size": "70b"},
         "model_size",
@@ -31,19 +40,17 @@ REFUSED = {
     "70b_sequence_too_long": (
         {"gpus_per_node": 1, "gpu_memory_gb": 24, "model_size": "70b", "seq_len": 8192},
         "seq_len",
-        "needs 39.0 GiB even with full sharding, full activation checkpointing and CPU offload, over the 21.6 GiB "
-        "usable: 2048 tokens fit",
+        "2048 tokens fit: 8192 need 39.0 GiB per GPU, 21.6 usable",
     ),
     "micro_batch_too_large": (
         {"gpus_per_node": 1, "gpu_memory_gb": 24, "model_size": "8b", "micro_batch_size": 64},
         "micro_batch_size",
-        "1 fits (gradient accumulation",
+        "1 fits: 64 need",
     ),
     "8b_ddp_does_not_fit": (
         {"model_size": "8b", "sharding": "no_shard", "activation_checkpointing": "selective"},
         "sharding",
-        "with sharding=no_shard nothing fits: at best 91.1 GiB per GPU, over the 72.0 GiB usable of 80; "
-        "choose sharding=shard_grad_op",
+        "choose sharding=shard_grad_op: at best 91.1 GiB per GPU, 72.0 usable",
     ),
     "ac_none_cannot_fit": (
         {"gpus_per_node": 1, "gpu_memory_gb": 24, "model_size": "8b", "activation_checkpointing": "none"},
@@ -53,7 +60,7 @@ REFUSED = {
     "8b_ddp_fits_only_with_zero": (
         {"model_size": "8b", "sharding": "no_shard", "activation_checkpointing": "full", "zero_optimizer": False},
         "zero_optimizer",
-        "choose zero_optimizer=true to split AdamW's state over the ranks (69.8 GiB)",
+        "choose zero_optimizer=true (69.8 GiB): this plan needs",
     ),
     "offload_needed": (
         {"gpus_per_node": 1, "gpu_memory_gb": 24, "model_size": "8b", "cpu_offload": False},
@@ -68,24 +75,23 @@ REFUSED = {
     "tensor_parallel_across_nodes": (
         {"model_size": "8b", "tensor_parallel": 3},
         "tensor_parallel",
-        "tensor_parallel=3 must divide gpus_per_node=8: a tensor-parallel group communicates in every layer and "
-        "stays within one node; answer one of 1, 2, 4, 8",
+        "answer 1, 2, 4 or 8 (divides gpus_per_node=8)",
     ),
     "tensor_parallel_splits_heads": (
         {"model_size": "125m", "tensor_parallel": 8},
         "tensor_parallel",
-        "must divide the 125m preset's n_heads=12, n_kv_heads=12",
+        "answer 1, 2 or 4 (divides 125m's n_heads=12)",
     ),
     "tensor_parallel_without_a_plan": (
         {"model_type": "vit", "model_size": "vit-base", "tensor_parallel": 2},
         "tensor_parallel",
-        "only the built-in Llama decoder has a tensor-parallel plan",
+        "answer 1: only model_type llama has a TP plan",
     ),
     "tensor_parallel_zero": ({"model_size": "8b", "tensor_parallel": 0}, "tensor_parallel", "must be at least 1"),
     "tensor_parallel_with_ddp": (
         {"model_size": "8b", "tensor_parallel": 2, "sharding": "no_shard"},
         "sharding",
-        "no_shard (DDP) is not combined with tensor_parallel=2",
+        "choose full or shard_grad_op: DDP is not combined with tensor_parallel=2",
     ),
     "sequence_tensor_parallel_cannot_split": (
         {"model_size": "8b", "tensor_parallel": 8, "seq_len": 8188},
@@ -96,16 +102,30 @@ REFUSED = {
     "zero_gpu_memory": ({"gpu_memory_gb": 0}, "gpu_memory_gb", "between 1 and 1024"),
     "sequence_too_long": ({"model_size": "debug", "seq_len": 128}, "seq_len", "max_seq_len"),
     "unknown_size": ({"model_size": "13b"}, "model_size", "13b"),
-    "chats_for_an_image_model": ({"model_type": "vit", "data_source": "sft"}, "data_source", "token data"),
-    "lora_for_vit": ({"model_type": "vit", "finetune": "lora"}, "finetune", "llama or hf_causal_lm, and vit has none"),
+    "chats_for_an_image_model": (
+        {"model_type": "vit", "data_source": "sft"},
+        "data_source",
+        "for vit: choose image_folder",
+    ),
+    "lora_for_vit": ({"model_type": "vit", "finetune": "lora"}, "finetune", "LoRA adapts only llama and hf_causal_lm"),
     "lora_for_custom": ({"model_type": "custom", "finetune": "lora"}, "finetune", "choose full"),
-    "lora_with_float8": ({"finetune": "lora", "float8": "tensorwise"}, "float8", "with finetune=lora choose none"),
-    "lora_with_tp": ({"finetune": "lora", "tensor_parallel": 2}, "tensor_parallel", "not combined with finetune=lora"),
+    "lora_with_float8": ({"finetune": "lora", "float8": "tensorwise"}, "float8", "choose none: finetune=lora"),
+    "lora_with_tp": ({"finetune": "lora", "tensor_parallel": 2}, "tensor_parallel", "finetune=lora does not split"),
+    "hf_export_of_a_vit": (
+        {"model_type": "vit", "checkpoint_export": "hf"},
+        "checkpoint_export",
+        "choose safetensors: transformers",
+    ),
+    "no_nodes": ({"num_nodes": 0}, "num_nodes", "must be at least 1"),
+    "checkpoint_interval_zero": ({"model_size": "1b", "checkpoint_interval": 0}, "checkpoint_interval", "at least 1"),
+    "keep_no_checkpoint": ({"checkpoint_keep_last": 0}, "checkpoint_keep_last", "must be at least 1"),
+    "two_nodes_no_launcher": ({"num_nodes": 2, "launchers": []}, "launchers", "pick one: 2 nodes need a launcher"),
 }
 
 
 @pytest.mark.parametrize("case", REFUSED)
 def test_refused_with_the_question_named_and_nothing_written(tmp_path, case):
+    """And the refusal fits a 100-column terminal, as a typed answer's refusal or a disabled choice."""
     answers, question, reason = REFUSED[case]
     dst = tmp_path / "project"
     with pytest.raises(ValueError) as refusal:
@@ -114,6 +134,24 @@ def test_refused_with_the_question_named_and_nothing_written(tmp_path, case):
     assert f"'{question}'" in message, message
     assert reason in message, message
     assert not dst.exists()
+    if case != "unknown_size":  # not a choice: a terminal never offers it
+        line = refusal_line(question, answers[question], message)
+        assert columns(line) <= COLUMNS, f"{columns(line)} columns: {line}"
+
+
+def test_every_question_that_can_refuse_has_a_case_here():
+    """Each question with a validator (its own, or one of its choices') is refused above at least once,
+    so its refusal is held to the terminal's width; copier.yml says which questions these are."""
+    questions = yaml.safe_load((TEMPLATE / "copier.yml").read_text())
+    refusing = set()
+    for name, spec in questions.items():
+        choices = spec.get("choices") if isinstance(spec, dict) else None
+        per_choice = isinstance(choices, dict) and any(
+            isinstance(c, dict) and "validator" in c for c in choices.values()
+        )
+        if not name.startswith("_") and ("validator" in spec or per_choice):
+            refusing.add(name)
+    assert refusing - {question for _, question, _ in REFUSED.values()} == set()
 
 
 @pytest.mark.parametrize(

