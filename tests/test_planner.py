@@ -399,9 +399,9 @@ def test_host_memory_of_70b_on_one_24_gib_gpu_by_hand(plan):
     assert host.load == 4 * V * h + 4 * P  # one embedding read in transit; rank 0's seeded initial weights
     assert host.start == host.load + 4 * P  # ... while the offloaded fp32 parameters exist
     assert host.export == 2 * 5e9 + 2 * 4 * V * h  # one 5 GB export file copied and serialised; the joined tensor
-    assert (host.runtime, host.os, host.device, host.staging) == (3 * GIB, 4 * GIB, 0, 0)
-    assert host.total == 7 * GIB + 16 * P + 2 * 5e9 + 8 * V * h  # training, not loading, is the peak
-    assert round(host.total / GIB, 1) == 1075.5
+    assert (host.runtime, host.os, host.device, host.staging) == (3 * GIB, 2 * GIB, 0, 0)
+    assert host.total == 5 * GIB + 16 * P + 2 * 5e9 + 8 * V * h  # training, not loading, is the peak
+    assert round(host.total / GIB, 1) == 1073.5
     assert not host.fits(256) and host.fits(2048) and host.fits(0)  # 0: no figure, nothing to check
     # dcp_async stages each rank's fp32 parameters and moments (12 P) too; LoRA from pretrained weights
     # keeps bf16 frozen weights, builds only the adapters on rank 0 and exports bf16.
@@ -423,18 +423,17 @@ def test_host_memory_of_70b_on_one_24_gib_gpu_by_hand(plan):
     assert cpu.export == 2 * 5e9 / 2 + 2 * 4 * V * h and cpu.runtime == 2 * GIB
 
 
-HOST_GRID = list(itertools.product(
+# A seeded third of the grid (DDP with offload left out): every factor still meets every other.
+HOST_GRID = random.Random(0).sample([c for c in itertools.product(
     PRESETS, ["cuda", "cpu"], ["bf16", "fp32"], ["full", "no_shard", "hybrid"], [False, True], [(1, 1), (8, 2)],
     ["full", "lora"], ["dcp", "dcp_async"], [False, True],
-))  # fmt: skip
+) if not (c[3] == "no_shard" and c[4])], 640)  # fmt: skip
 
 
 def test_question_time_and_run_time_host_memory_agree(plan):
     fields = ["runtime", "state", "device", "staging", "load", "start", "export", "os", "total"]
     checked = 0
     for preset, accelerator, precision, sharding, offload, (gpus, nodes), finetune, fmt, export in HOST_GRID:
-        if offload and sharding == "no_shard":
-            continue
         seq, mbs = PRESETS[preset]["seq_len"], PRESETS[preset]["micro_batch_size"]
         rank = HOOKS.LORA["rank"] if finetune == "lora" else 0
         m = plan.memory_plan(shape(plan, preset), seq_len=seq, micro_batch_size=mbs, precision=precision, ac="full",
@@ -448,7 +447,7 @@ def test_question_time_and_run_time_host_memory_agree(plan):
         for name in fields:
             assert q[name] == pytest.approx(getattr(r, name), rel=1e-12), (preset, accelerator, sharding, fmt, name)
         checked += 1
-    assert checked == len(HOST_GRID) * 5 // 6  # DDP has no offload
+    assert checked == len(HOST_GRID) == 640
 
 
 def test_question_time_and_run_time_recommendations_agree_on_host_memory(plan):

@@ -29,10 +29,34 @@ REFUSED = {
         "GiB per GPU even at one 128-token sequence",
     ),
     "70b_sequence_too_long": (
-        {"gpus_per_node": 1, "gpu_memory_gb": 24, "model_size": "70b", "seq_len": 8192},
+        {"gpus_per_node": 1, "gpu_memory_gb": 24, "host_memory_gb": 2048, "model_size": "70b", "seq_len": 8192},
         "seq_len",
         "needs 39.0 GiB even with full sharding, full activation checkpointing and CPU offload, over the 21.6 GiB "
         "usable: 2048 tokens fit",
+    ),
+    # Offload is the only plan for 70b on one 24 GiB GPU, and its 16 bytes per parameter need 1 TiB of RAM.
+    "70b_host_memory": (
+        {"gpus_per_node": 1, "gpu_memory_gb": 24, "host_memory_gb": 256, "model_size": "70b"},
+        "model_size",
+        "needs 1073.5 GiB RAM per node at best, over 230.4 usable of host_memory_gb=256: add nodes, or a smaller preset",
+    ),
+    "offload_host_memory": (
+        {"host_memory_gb": 48, "model_size": "1b", "cpu_offload": True},
+        "cpu_offload",
+        "needs 55.6 GiB RAM per node, over 43.2 usable of host_memory_gb=48 (runtime 24.0, offload 18.4, export 11.2, "
+        "OS 2.0): choose cpu_offload=false",
+    ),
+    "async_checkpoint_host_memory": (
+        {"gpus_per_node": 1, "gpu_memory_gb": 24, "host_memory_gb": 200, "model_size": "8b",
+         "checkpoint_format": "dcp_async"},
+        "checkpoint_format",
+        "needs 227.6 GiB RAM per node, over 180.0 usable of host_memory_gb=200 (runtime 3.0, offload 119.7, async "
+        "staging 89.7, export 13.2, OS 2.0): choose dcp, or add nodes",
+    ),
+    "cpu_ranks_host_memory": (
+        {"accelerator": "cpu", "host_memory_gb": 16, "model_size": "1b"},
+        "model_size",
+        "GiB RAM per node at best, over 14.4 usable of host_memory_gb=16",
     ),
     "micro_batch_too_large": (
         {"gpus_per_node": 1, "gpu_memory_gb": 24, "model_size": "8b", "micro_batch_size": 64},
@@ -94,6 +118,7 @@ REFUSED = {
     ),
     "no_gpus": ({"gpus_per_node": 0}, "gpus_per_node", "between 1 and 128"),
     "zero_gpu_memory": ({"gpu_memory_gb": 0}, "gpu_memory_gb", "between 1 and 1024"),
+    "zero_host_memory": ({"host_memory_gb": 0}, "host_memory_gb", "between 1 and 65536"),
     "sequence_too_long": ({"model_size": "debug", "seq_len": 128}, "seq_len", "max_seq_len"),
     "unknown_size": ({"model_size": "13b"}, "model_size", "13b"),
     "chats_for_an_image_model": ({"model_type": "vit", "data_source": "sft"}, "data_source", "token data"),
@@ -117,19 +142,34 @@ def test_refused_with_the_question_named_and_nothing_written(tmp_path, case):
 
 
 @pytest.mark.parametrize(
-    "case", ["8b_ddp_does_not_fit", "ac_none_cannot_fit", "offload_needed", "70b_sequence_too_long"]
-)
+    "case",
+    ["8b_ddp_does_not_fit", "ac_none_cannot_fit", "offload_needed", "70b_sequence_too_long", "offload_host_memory",
+     "async_checkpoint_host_memory"],
+)  # fmt: skip
 def test_the_fix_a_memory_refusal_names_is_accepted(tmp_path, case):
     """A refusal ends in `choose question=value` (or `N tokens fit`); taking that advice renders."""
     answers, question, _ = REFUSED[case]
     with pytest.raises(ValueError) as refusal:
         render(tmp_path / "refused", answers)
     message = str(refusal.value)
-    advice = re.search(rf"choose .*?\b{question}=(\w+)", message) or re.search(r": (\d+) tokens fit", message)
+    advice = (re.search(rf"choose .*?\b{question}=(\w+)", message) or re.search(r": (\d+) tokens fit", message)
+              or re.search(r"choose (dcp)\b", message))  # fmt: skip
     assert advice, message
     value = yaml.safe_load(advice.group(1))
     dst = render(tmp_path / "accepted", {**answers, question: value})
     assert yaml.safe_load((dst / ".copier-answers.yml").read_text())[question] == value
+
+
+def test_70b_on_one_gpu_renders_with_the_host_memory_it_needs(tmp_path):
+    """The plan 70b_host_memory refuses, on a node with 2 TiB: CPU offload, and PLAN.md's host column says why."""
+    root = render(tmp_path / "p", {**REFUSED["70b_host_memory"][0], "host_memory_gb": 2048})
+    answers = answers_of(root)
+    assert (answers["cpu_offload"], answers["sharding"], misfit(answers)) == (True, "full", "")
+    plan = (root / "PLAN.md").read_text()
+    assert "| peak (GiB) | host per node (GiB) | fits |" in plan
+    assert "| **full** | yes | 0.0 | 11.9 | 6.8 | 18.7 | 1073.5 | yes |" in plan
+    assert "| offload | 1051.3 |" in plan and "| **peak** | **1073.5** |" in plan
+    assert "host_memory_gb = 2048" in (root / "configs" / "70b.toml").read_text()
 
 
 HARDWARE = [
@@ -142,6 +182,9 @@ HARDWARE = [
     {"num_nodes": 2, "inter_node_link": "ethernet", "gpu_memory_gb": 24, "model_type": "hf_causal_lm"},
     {"accelerator": "xpu", "gpus_per_node": 2, "gpu_memory_gb": 16, "model_type": "vit"},
     {"gpus_per_node": 1, "gpu_memory_gb": 24, "finetune": "lora"},
+    # Little RAM: 8b would need offload to 120 GiB of host memory, so the default is the largest preset that fits.
+    {"gpus_per_node": 1, "gpu_memory_gb": 24, "host_memory_gb": 64, "model_type": "llama"},
+    {"accelerator": "cpu", "gpus_per_node": 4, "host_memory_gb": 8, "model_type": "llama"},
     {"gpus_per_node": 2, "gpu_memory_gb": 40, "model_type": "hf_causal_lm", "finetune": "lora"},
     # Ethernet between nodes: the planner splits layers within each node (tensor_parallel > 1).
     {"num_nodes": 4, "inter_node_link": "ethernet", "gpu_memory_gb": 80, "model_type": "llama"},
