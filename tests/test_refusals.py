@@ -38,7 +38,8 @@ REFUSED = {
     "70b_host_memory": (
         {"gpus_per_node": 1, "gpu_memory_gb": 24, "host_memory_gb": 256, "model_size": "70b"},
         "model_size",
-        "needs 1073.5 GiB RAM per node at best, over 230.4 usable of host_memory_gb=256: add nodes, or a smaller preset",
+        "needs 1073.5 GiB RAM per node at best, over 230.4 usable of host_memory_gb=256: add nodes, or a smaller "
+        "preset",
     ),
     "offload_host_memory": (
         {"host_memory_gb": 48, "model_size": "1b", "cpu_offload": True},
@@ -47,8 +48,13 @@ REFUSED = {
         "OS 2.0): choose cpu_offload=false",
     ),
     "async_checkpoint_host_memory": (
-        {"gpus_per_node": 1, "gpu_memory_gb": 24, "host_memory_gb": 200, "model_size": "8b",
-         "checkpoint_format": "dcp_async"},
+        {
+            "gpus_per_node": 1,
+            "gpu_memory_gb": 24,
+            "host_memory_gb": 200,
+            "model_size": "8b",
+            "checkpoint_format": "dcp_async",
+        },
         "checkpoint_format",
         "needs 227.6 GiB RAM per node, over 180.0 usable of host_memory_gb=200 (runtime 3.0, offload 119.7, async "
         "staging 89.7, export 13.2, OS 2.0): choose dcp, or add nodes",
