@@ -396,8 +396,10 @@ def test_host_memory_of_70b_on_one_24_gib_gpu_by_hand(plan):
     host = plan.host_memory_plan(s, m, accelerator="cuda", precision="bf16", gpus_per_node=1, num_nodes=1,
                                  cpu_offload=True)  # fmt: skip
     assert host.state == 16 * P  # parameters, gradients, both AdamW moments: 1051.3 GiB
-    assert host.load == 4 * V * h + 4 * P  # one embedding read in transit; rank 0's seeded initial weights
-    assert host.start == host.load + 4 * P  # ... while the offloaded fp32 parameters exist
+    # One embedding in transit; rank 0's seeded initial weights; the shards their broadcast fills before
+    # loading them, in host memory like the parameters ...
+    assert host.load == 4 * V * h + 4 * P + 4 * P
+    assert host.start == host.load + 4 * P  # ... which exist already
     assert host.export == 2 * 5e9 + 2 * 4 * V * h  # one 5 GB export file copied and serialised; the joined tensor
     assert (host.runtime, host.os, host.device, host.staging) == (3 * GIB, 2 * GIB, 0, 0)
     assert host.total == 5 * GIB + 16 * P + 2 * 5e9 + 8 * V * h  # training, not loading, is the peak
@@ -415,12 +417,12 @@ def test_host_memory_of_70b_on_one_24_gib_gpu_by_hand(plan):
     A = 80 * plan.adapter_params(s, rank, "all")
     assert lora.state == 2 * P + 16 * A and lora.load == 4 * V * h + 4 * A
     assert lora.export == 2 * 5e9 + 2 * 2 * V * h
-    # On CPU ranks the device plan is host memory, each rank receives the initial weights' broadcast in
-    # it (two copies of the largest tensor in transit), and an export shard needs no copy to the host.
+    # On CPU ranks the device plan is host memory, and each rank receives the initial weights' broadcast
+    # in it (two copies of the largest tensor in transit).
     cpu = plan.host_memory_plan(s, m, accelerator="cpu", precision="bf16", gpus_per_node=2, num_nodes=1,
                                 cpu_offload=True)  # fmt: skip
-    assert cpu.device == 2 * m.total and cpu.load == 2 * 2 * 4 * V * h + 4 * P
-    assert cpu.export == 2 * 5e9 / 2 + 2 * 4 * V * h and cpu.runtime == 2 * GIB
+    assert cpu.device == 2 * m.total and cpu.load == 2 * 2 * 4 * V * h + 4 * P + 2 * m.params
+    assert cpu.export == 2 * 2 * 5e9 / 2 + 2 * 4 * V * h and cpu.runtime == 2 * GIB
 
 
 # A seeded third of the grid (DDP with offload left out): every factor still meets every other.

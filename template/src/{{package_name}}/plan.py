@@ -81,11 +81,13 @@ parameter (p with LoRA, whose export merges into the frozen dtype), F = checkpoi
     load     r c 4 Lmax: a whole fp32 tensor in transit per rank (a slice read from
              checkpoint.init_from, c = 1; CPU ranks also receive the broadcast of the initial
              weights, strategy.apply_weights_from_rank0, in host memory and copy their shard out
-             of it, c = 2; GPUs receive it in device memory), + 4 (P + A) on rank 0, which builds
-             the seeded initial weights whole (4 A, the adapters only, with checkpoint.init_from)
-    export   r c min(F, e P) / world + 2 e Lmax with checkpoint.export: each rank's share of an
-             export file copied to the host and serialised (c = 2; 1 on CPU ranks, whose shards
-             are host memory already), and the whole tensor rank 0 joins at a time with its pieces
+             of it, c = 2; GPUs receive it in device memory). Without checkpoint.init_from also
+             4 (P + A) on rank 0, which builds the seeded initial weights whole, and the shards the
+             broadcast fills before it loads them, a second r x params where parameters live on
+             the host (CPU offload, CPU ranks); with it, 4 A: rank 0 builds the adapters only
+    export   2 r min(F, e P) / world + 2 e Lmax with checkpoint.export: each rank's share of an
+             export file, gathered on the host and serialised, and the whole tensor rank 0 joins
+             at a time with its pieces
     os       HOST_MEMORY["os_gb"]: the kernel, system services, the launcher
 
 Loading ends before training starts, and the last async save may still be written while the
@@ -238,15 +240,16 @@ def host_memory_plan(
     adapters = s.L * adapter_params(s, lora_rank, lora_targets) if lora_rank else 0
     largest = max(s.V * s.h, s.h * s.f)
     e = p if lora_rank else 4  # bytes per exported parameter
-    load = r * (2 if cpu else 1) * 4 * largest + 4 * (adapters if init_from else s.P + adapters)
-    out = r * (1 if cpu else 2) * min(export_file_gb * 1e9, e * s.P) / world + 2 * e * largest if export else 0
+    resident = r * m.params if cpu_offload or cpu else 0  # parameters that live in host memory
+    load = r * (2 if cpu else 1) * 4 * largest + (4 * adapters if init_from else 4 * (s.P + adapters) + resident)
+    out = r * 2 * min(export_file_gb * 1e9, e * s.P) / world + 2 * e * largest if export else 0
     return HostPlan(
         runtime=r * HOST_MEMORY["runtime_gb"][accelerator] * GIB,
         state=r * m.host,
         device=r * m.total if cpu else 0,
         staging=r * (m.params + m.optim) if checkpoint_format == "dcp_async" else 0,
         load=load,
-        start=load + (r * m.params if cpu_offload or cpu else 0),
+        start=load + resident,
         export=out,
         os=HOST_MEMORY["os_gb"] * GIB,
     )
