@@ -174,7 +174,7 @@ def test_70b_on_one_gpu_renders_with_the_host_memory_it_needs(tmp_path):
     plan = (root / "PLAN.md").read_text()
     assert "| peak (GiB) | host per node (GiB) | fits |" in plan
     assert "| **full** | yes | 0.0 | 11.9 | 6.8 | 18.7 | 1073.5 | yes |" in plan
-    assert "| offload | 1051.3 |" in plan and "| **peak** | **1073.5** |" in plan
+    assert "| offload | 1051.3 GiB |" in plan and "| **peak** | **1073.5 GiB** |" in plan
     assert "host_memory_gb = 2048" in (root / "configs" / "70b.toml").read_text()
 
 
