@@ -216,14 +216,14 @@ def test_picks_the_node_cannot_hold_are_disabled(session, tmp_path):
     s.confirm(True)
     run_to(s, "model_size", {})
     too_big = pick_disabled(s, "70b")
-    assert "1073.5 GiB RAM per node at best, over 180.0 usable of host_memory_gb=200" in too_big, too_big
+    assert "1073.5 GiB RAM per node at best, over 180.0 usable of 200 GiB" in too_big, too_big
     s.pick("8b")
     run_to(s, "cpu_offload", {})
     assert "cpu_offload=true" in pick_disabled(s, "no")  # the GPU needs it, and the node holds it
     s.pick("yes")
     run_to(s, "checkpoint_format", {})
     staging = pick_disabled(s, "dcp_async:")
-    assert "227.6 GiB RAM per node, over 180.0 usable" in staging and "async staging 89.7" in staging, staging
+    assert "227.6 GiB RAM per node (async staging 89.7), over 180.0 usable of 200 GiB" in staging, staging
     s.pick("dcp:")
     assert s.finish() == 0
     answers = assert_valid_plan(tmp_path, tmp_path / "proj")

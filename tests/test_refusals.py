@@ -38,14 +38,12 @@ REFUSED = {
     "70b_host_memory": (
         {"gpus_per_node": 1, "gpu_memory_gb": 24, "host_memory_gb": 256, "model_size": "70b"},
         "model_size",
-        "needs 1073.5 GiB RAM per node at best, over 230.4 usable of host_memory_gb=256: add nodes, or a smaller "
-        "preset",
+        "needs 1073.5 GiB RAM per node at best, over 230.4 usable of 256 GiB: add nodes, or a smaller preset",
     ),
     "offload_host_memory": (
         {"host_memory_gb": 48, "model_size": "1b", "cpu_offload": True},
         "cpu_offload",
-        "needs 55.6 GiB RAM per node, over 43.2 usable of host_memory_gb=48 (runtime 24.0, offload 18.4, export 11.2, "
-        "OS 2.0): choose cpu_offload=false",
+        "needs 55.6 GiB RAM per node (offload 18.4), over 43.2 usable of 48 GiB: choose cpu_offload=false",
     ),
     "async_checkpoint_host_memory": (
         {
@@ -56,13 +54,12 @@ REFUSED = {
             "checkpoint_format": "dcp_async",
         },
         "checkpoint_format",
-        "needs 227.6 GiB RAM per node, over 180.0 usable of host_memory_gb=200 (runtime 3.0, offload 119.7, async "
-        "staging 89.7, export 13.2, OS 2.0): choose dcp, or add nodes",
+        "needs 227.6 GiB RAM per node (async staging 89.7), over 180.0 usable of 200 GiB: choose dcp",
     ),
     "cpu_ranks_host_memory": (
         {"accelerator": "cpu", "host_memory_gb": 16, "model_size": "1b"},
         "model_size",
-        "GiB RAM per node at best, over 14.4 usable of host_memory_gb=16",
+        "GiB RAM per node at best, over 14.4 usable of 16 GiB",
     ),
     "micro_batch_too_large": (
         {"gpus_per_node": 1, "gpu_memory_gb": 24, "model_size": "8b", "micro_batch_size": 64},
