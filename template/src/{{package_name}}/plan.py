@@ -382,8 +382,9 @@ def cheapest(cfg: Config) -> tuple[str, str, bool] | None:
 
 
 def recommend(cfg: Config) -> tuple[str, str, bool]:
-    """cheapest(cfg), or the most frugal plan when nothing fits (check_plan and copier then refuse it)."""
-    return cheapest(cfg) or ("full", "full", True)
+    """cheapest(cfg), or the most frugal plan when nothing fits (check_plan and copier then refuse it); CPU ranks
+    gain nothing from offload."""
+    return cheapest(cfg) or ("full", "full", cfg.hardware.accelerator != "cpu")
 
 
 def communication_bytes(
