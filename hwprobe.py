@@ -291,6 +291,7 @@ def detect(
 
 
 def _detect_devices(run: Run, torch_probe: Callable[[], tuple[str, list[Gpu]] | None], proc: Path) -> Detected:
+    """The accelerator answers of detect()."""
     found = Detected()
     gpus, kind, source = [], "", ""
     text = run(NVIDIA_QUERY) or run(NVIDIA_QUERY_OLD)
