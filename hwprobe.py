@@ -6,14 +6,16 @@
 
 Needs nothing but Python. Uses, when present: `nvidia-smi` (GPU count, memory, compute capability)
 and `nvidia-smi topo -m` (NVLink or PCIe), torch (CUDA or XPU devices), `xpu-smi` (Intel GPUs and
-Xe Link), and /proc (the NVIDIA driver's GPU list, when nvidia-smi is missing). The YAML goes to
+Xe Link), and /proc (the NVIDIA driver's GPU list, when nvidia-smi is missing; MemTotal, the node's
+RAM, and the cgroup memory limit a SLURM job or a container runs under). The YAML goes to
 stdout or --out, with the question names of copier.yml as keys; what was detected, and which tool
 said so, goes to stderr. One machine cannot see the others, so num_nodes and inter_node_link are
 left to you, as commented lines.
 
 Memory is reported in whole GiB rounded up: the driver keeps a little back, so an "80 GB" H100
 shows 81559 MiB (79.6 GiB) and is written as 80, and an A10 (23028 MiB, 22.5 GiB) as 23. The
-planner budgets 90% of the figure, which absorbs the < 1 GiB rounding.
+planner budgets 90% of the figure, which absorbs the < 1 GiB rounding. Host memory is rounded
+down: the smaller of MemTotal and the cgroup limit is what the job may use.
 
 Tool output is parsed by pure functions of the text (parse_*), and every tool runs through a `run`
 callable (argv -> stdout, or None when the tool is missing or fails), so tests replay captured
@@ -207,6 +209,57 @@ def proc_nvidia_gpus(proc: Path) -> list[Gpu]:
     return gpus
 
 
+def parse_meminfo(text: str) -> float | None:
+    """MemTotal of /proc/meminfo in MiB (the RAM the kernel manages); None when it is not there."""
+    found = re.search(r"^MemTotal:\s*(\d+)\s*kB", text, re.M)
+    return int(found.group(1)) / 1024 if found else None
+
+
+def cgroup_memory_limit(proc: Path, cgroup: Path) -> float | None:
+    """The memory limit in MiB of this process's cgroup or an ancestor's (SLURM's --mem, a container's limit).
+
+    /proc/self/cgroup names the cgroup: "0::<path>" under cgroup v2 (memory.max), "<n>:memory:<path>"
+    under v1 (memory.limit_in_bytes). Inside a container the path is often "/", the root of a
+    mount that is already the container's cgroup. None when no limit is set or nothing is readable.
+    """
+    try:
+        lines = (proc / "self" / "cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    limits = []
+    for line in lines:
+        _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        if not controllers:
+            base, name = cgroup, "memory.max"
+        elif "memory" in controllers.split(","):
+            base, name = cgroup / "memory", "memory.limit_in_bytes"
+        else:
+            continue
+        parts = Path(path.strip().lstrip("/")).parts
+        for depth in range(len(parts), -1, -1):  # the cgroup, then each ancestor: every limit applies
+            try:
+                value = base.joinpath(*parts[:depth], name).read_text().strip()
+            except OSError:
+                continue
+            if value.isdigit() and int(value) < 2**60:  # "max", or v1's near-2**63 for none
+                limits.append(int(value) / 2**20)
+    return min(limits) if limits else None
+
+
+def host_memory_mib(proc: Path = Path("/proc"), cgroup: Path = Path("/sys/fs/cgroup")) -> tuple[float, str] | None:
+    """The RAM this process's job may use, in MiB, and where the figure came from; None without /proc/meminfo."""
+    try:
+        total = parse_meminfo((proc / "meminfo").read_text())
+    except OSError:
+        total = None
+    if total is None:
+        return None
+    limit = cgroup_memory_limit(proc, cgroup)
+    if limit is not None and limit < total:
+        return limit, f"cgroup memory limit {limit:.0f} MiB (MemTotal {total:.0f} MiB)"
+    return total, f"{proc}/meminfo: MemTotal {total:.0f} MiB"
+
+
 def _describe(gpus: list[Gpu]) -> str:
     names = sorted({g.name for g in gpus})
     return f"{len(gpus)} x {names[0]}" if len(names) == 1 else f"{len(gpus)} GPUs ({', '.join(names)})"
@@ -221,12 +274,24 @@ def detect(
     run: Run = run_tool,
     torch_probe: Callable[[], tuple[str, list[Gpu]] | None] = probe_torch,
     proc: Path = Path("/proc"),
+    cgroup: Path = Path("/sys/fs/cgroup"),
 ) -> Detected:
     """What this machine has, as copier answers; the first source that sees a device wins.
 
     nvidia-smi comes before torch because it sees the node, not just the CUDA_VISIBLE_DEVICES of
     this shell; /proc is the last resort, as it knows names but not memory.
     """
+    found = _detect_devices(run, torch_probe, proc)
+    ram = host_memory_mib(proc, cgroup)
+    if ram is None:
+        found.notes.append(f"no {proc}/meminfo: answer host_memory_gb (the RAM of one node, GiB) yourself")
+    else:
+        _set(found, "host_memory_gb", max(int(ram[0] // 1024), 1), f"{ram[1]}, rounded down to whole GiB")
+    return found
+
+
+def _detect_devices(run: Run, torch_probe: Callable[[], tuple[str, list[Gpu]] | None], proc: Path) -> Detected:
+    """The accelerator answers of detect()."""
     found = Detected()
     gpus, kind, source = [], "", ""
     text = run(NVIDIA_QUERY) or run(NVIDIA_QUERY_OLD)
@@ -289,6 +354,8 @@ def to_yaml(found: Detected) -> str:
         if found.answers.get("gpus_per_node") == 1:
             del choices["intra_node_link"]  # copier asks it only with several GPUs per node
         lines += [f"# {key}:   # not detected: {what}" for key, what in choices.items() if key not in found.answers]
+    if "host_memory_gb" not in found.answers:
+        lines.append("# host_memory_gb:   # not detected: GiB of RAM per node")
     lines += [
         "# One machine cannot see the others. For a cluster, uncomment and set:",
         "# num_nodes: 2",

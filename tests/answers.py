@@ -163,3 +163,7 @@ PRETRAINED = ["ada_offload"]
 # checkpoints resharded and its export, which the FULL renders leave out (tests/test_tensor_parallel.py;
 # every render has it, and the preset configs of renders such as blackwell_70b set the degree).
 TENSOR_PARALLEL = ["cpu_debug"]
+# HOST_MEMORY: the host-memory plan against resident memory on 2 CPU ranks of a wider model (tests/test_plan.py's
+# host_memory test, one launch), which the other SMOKE renders leave out: it forces its own model, sharding,
+# offload and checkpoint settings, so one render shows what every render would.
+HOST_MEMORY = ["cpu_debug"]

@@ -83,7 +83,10 @@ class Prompt:
     """Index of the highlighted choice (the default) in a pick-from-list prompt."""
 
     def choice(self, label_start: str) -> Choice:
-        found = [c for c in self.choices if c.label.startswith(label_start)]
+        # An exact label wins over labels it starts (dcp beside dcp_async).
+        found = [c for c in self.choices if c.label == label_start] or [
+            c for c in self.choices if c.label.startswith(label_start)
+        ]
         assert len(found) == 1, (label_start, self.choices)
         return found[0]
 

@@ -12,7 +12,7 @@ from conftest import TEMPLATE, render
 # Every question answered explicitly, so that changing one changes nothing else.
 BASE = {
     "project_name": "proj", "package_name": "proj", "accelerator": "cuda", "gpu_arch": "hopper",
-    "gpus_per_node": 8, "num_nodes": 2, "gpu_memory_gb": 80, "intra_node_link": "nvlink",
+    "gpus_per_node": 8, "num_nodes": 2, "gpu_memory_gb": 80, "host_memory_gb": 2048, "intra_node_link": "nvlink",
     "inter_node_link": "infiniband", "model_type": "llama", "model_size": "1b", "tensor_parallel": 1, "seq_len": 4096,
     "micro_batch_size": 2, "mixed_precision": "bf16", "activation_checkpointing": "none", "sharding": "full",
     "cpu_offload": False, "compile": True, "backend": "nccl", "init_method": "env", "checkpoint_format": "dcp",
@@ -28,6 +28,7 @@ CHANGE = {
     "gpus_per_node": ({}, 4),
     "num_nodes": ({}, 1),
     "gpu_memory_gb": ({}, 40),
+    "host_memory_gb": ({}, 512),
     "intra_node_link": ({}, "pcie"),
     "inter_node_link": ({}, "ethernet"),
     "model_type": ({"checkpoint_export": "safetensors"}, "custom"),

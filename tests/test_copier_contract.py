@@ -57,7 +57,7 @@ def test_update_round_trip_keeps_user_edits(tmp_path):
 
 def test_rendered_answers_file_replays(tmp_path):
     # The answers file alone reproduces the project: what `copier update` relies on.
-    first = render(tmp_path / "a", {"accelerator": "cpu", "model_size": "1b"})
+    first = render(tmp_path / "a", {"accelerator": "cpu", "model_size": "1b", "host_memory_gb": 64})  # 1b: 33 GiB
     answers = yaml.safe_load((first / ".copier-answers.yml").read_text())
     data = {k: v for k, v in answers.items() if not k.startswith("_")}
     second = render(tmp_path / "b", data)

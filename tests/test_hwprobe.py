@@ -167,6 +167,49 @@ def test_probe_falls_back_and_says_what_it_could_not_tell(tmp_path):
     assert xpu.answers == {"accelerator": "xpu", "gpus_per_node": 2, "gpu_memory_gb": 128, "intra_node_link": "nvlink"}
 
 
+# /proc/meminfo of a DGX H100 (2 TiB installed; the kernel keeps some back) and of this kind of laptop.
+MEMINFO_DGX = "MemTotal:       2113407452 kB\nMemFree:        2037565012 kB\nMemAvailable:   2074170244 kB\n"
+MEMINFO_LAPTOP = "MemTotal:       16164024 kB\nMemFree:         9010216 kB\n"
+
+
+def node(root: Path, meminfo: str, cgroup: str = "", limits: dict[str, str] | None = None) -> tuple[Path, Path]:
+    """A /proc with `meminfo` and /proc/self/cgroup, and a cgroup filesystem with `limits` (relative path -> value)."""
+    proc, fs = root / "proc", root / "cgroup"
+    (proc / "self").mkdir(parents=True)
+    (proc / "meminfo").write_text(meminfo)
+    (proc / "self" / "cgroup").write_text(cgroup)
+    for path, value in (limits or {}).items():
+        (fs / path).parent.mkdir(parents=True, exist_ok=True)
+        (fs / path).write_text(value + "\n")
+    return proc, fs
+
+
+def test_probe_reads_host_memory_and_the_cgroup_limit(tmp_path):
+    assert hwprobe.parse_meminfo(MEMINFO_DGX) == 2113407452 / 1024
+    assert hwprobe.parse_meminfo("MemFree: 1 kB\n") is None
+    # A whole node: MemTotal, rounded down (2015.5 GiB is written as 2015).
+    proc, fs = node(tmp_path / "dgx", MEMINFO_DGX, "0::/\n", {"memory.max": "max"})
+    found = hwprobe.detect(run=tools(H100), torch_probe=lambda: None, proc=proc, cgroup=fs)
+    assert found.answers == {**MACHINES["h100"][1], "host_memory_gb": 2015}
+    assert found.how["host_memory_gb"].startswith(f"{proc}/meminfo: MemTotal 2063874 MiB")
+    # A SLURM job with --mem=64G on that node (cgroup v2): the job's limit, which an ancestor may lower further.
+    job = "system.slice/slurmstepd.scope/job_42"
+    proc, fs = node(tmp_path / "slurm", MEMINFO_DGX, f"0::/{job}/step_0/user/task_0\n",
+                    {f"{job}/memory.max": str(64 * 2**30), "system.slice/memory.max": "max"})  # fmt: skip
+    assert hwprobe.host_memory_mib(proc, fs) == (64 * 1024, "cgroup memory limit 65536 MiB (MemTotal 2063874 MiB)")
+    # A container under cgroup v1 with a 12 GiB limit on a laptop-sized host; v1's "no limit" is near 2**63.
+    proc, fs = node(tmp_path / "v1", MEMINFO_LAPTOP, "12:pids:/docker/abc\n4:memory:/docker/abc\n",
+                    {"memory/docker/abc/memory.limit_in_bytes": str(12 * 2**30),
+                     "memory/memory.limit_in_bytes": "9223372036854771712"})  # fmt: skip
+    found = hwprobe.detect(run=tools(CPU), torch_probe=lambda: None, proc=proc, cgroup=fs)
+    assert found.answers == {"accelerator": "cpu", "gpus_per_node": 2, "host_memory_gb": 12}
+    unlimited = {"memory/memory.limit_in_bytes": "9223372036854771712"}
+    proc, fs = node(tmp_path / "none", MEMINFO_LAPTOP, "4:memory:/\n", unlimited)
+    assert hwprobe.host_memory_mib(proc, fs)[0] == 16164024 / 1024  # 15.4 GiB: written as 15
+    # No /proc/meminfo: left to the user, with the question in the YAML.
+    assert "host_memory_gb" not in machine(H100).answers and "# host_memory_gb:" in hwprobe.to_yaml(machine(H100))
+
+
 def test_yaml_round_trips_without_pyyaml():
     for outputs, expected in MACHINES.values():
         text = hwprobe.to_yaml(machine(outputs))
@@ -187,8 +230,9 @@ def test_real_machine_does_not_crash(tmp_path):
     has_gpu_tool = shutil.which("nvidia-smi") or shutil.which("xpu-smi") or Path("/proc/driver/nvidia/gpus").is_dir()
     if not has_gpu_tool and answers["accelerator"] != "cpu":
         pytest.fail(f"no GPU tool here, yet the probe reported {answers}")
+    assert answers["host_memory_gb"] >= 1  # every Linux machine has /proc/meminfo
     if answers["accelerator"] == "cpu":
-        assert answers == {"accelerator": "cpu", "gpus_per_node": 2}
+        assert answers.keys() == {"accelerator", "gpus_per_node", "host_memory_gb"} and answers["gpus_per_node"] == 2
 
 
 def test_probe_source_is_jinja_safe_and_renders_verbatim(tmp_path):

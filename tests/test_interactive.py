@@ -17,10 +17,10 @@ from terminal import COLUMNS, DOWN, UP, CopierSession, columns, shown_lines
 
 # The questions a user who accepts the plan answers, per kind of machine.
 SHORT_PATH_CUDA = ["project_name", "accelerator", "gpu_arch", "gpus_per_node", "num_nodes", "gpu_memory_gb",
-                   "intra_node_link", "customize", "model_type", "model_size", "data_source", "checkpoint_interval",
-                   "launchers"]  # fmt: skip
-SHORT_PATH_CPU = ["project_name", "accelerator", "gpus_per_node", "num_nodes", "customize", "model_type",
-                  "model_size", "data_source", "launchers"]  # fmt: skip
+                   "host_memory_gb", "intra_node_link", "customize", "model_type", "model_size", "data_source",
+                   "checkpoint_interval", "launchers"]  # fmt: skip
+SHORT_PATH_CPU = ["project_name", "accelerator", "gpus_per_node", "num_nodes", "host_memory_gb", "customize",
+                  "model_type", "model_size", "data_source", "launchers"]  # fmt: skip
 NUMBERS = re.compile(r"\d+\.\d GiB")
 
 
@@ -52,7 +52,7 @@ def assert_valid_plan(tmp_path, root) -> dict:
     return answers
 
 
-def test_short_path_on_gpus_asks_thirteen_questions_and_records_every_answer(session, tmp_path):
+def test_short_path_on_gpus_asks_fourteen_questions_and_records_every_answer(session, tmp_path):
     s = session()
     assert s.finish() == 0
     assert s.asked == SHORT_PATH_CUDA
@@ -202,6 +202,36 @@ def test_impossible_picks_when_memory_is_short(session, tmp_path):
     assert s.finish() == 0
     answers = assert_valid_plan(tmp_path, tmp_path / "proj")
     assert (answers["gpu_memory_gb"], answers["cpu_offload"], answers["sharding"]) == (8, True, "full")
+
+
+def test_picks_the_node_cannot_hold_are_disabled(session, tmp_path):
+    """One 24 GiB GPU in a node of 200 GiB: 70b needs offload to 1 TiB of RAM, 8b fits only with synchronous
+    checkpoints (async staging would add a copy of its 90 GiB of parameters and moments)."""
+    s = session()
+    run_to(s, "gpus_per_node", {})
+    assert s.type("1") == ""
+    run_to(s, "gpu_memory_gb", {})
+    assert s.type("24") == ""
+    s.next_prompt()
+    assert s.current.name == "host_memory_gb"
+    assert "between 1 and 65536" in s.type("0")
+    assert s.type("200") == ""
+    run_to(s, "customize", {})
+    s.confirm(True)
+    run_to(s, "model_size", {})
+    too_big = pick_disabled(s, "70b")
+    assert "at best 1073.5 GiB RAM per node, 180.0 of 200 GiB usable" in too_big, too_big
+    s.pick("8b")
+    run_to(s, "cpu_offload", {})
+    assert "cpu_offload=true" in pick_disabled(s, "no")  # the GPU needs it, and the node holds it
+    s.pick("yes")
+    run_to(s, "checkpoint_format", {})
+    staging = pick_disabled(s, "dcp_async")
+    assert "227.6 GiB RAM per node (async staging 89.7), 180.0 of 200 GiB usable" in staging, staging
+    s.pick("dcp")
+    assert s.finish() == 0
+    answers = assert_valid_plan(tmp_path, tmp_path / "proj")
+    assert (answers["host_memory_gb"], answers["cpu_offload"], answers["checkpoint_format"]) == (200, True, "dcp")
 
 
 def test_impossible_picks_on_cpu_ranks_and_for_an_image_model(session, tmp_path):

@@ -10,6 +10,7 @@ import json
 import random
 import re
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -384,6 +385,104 @@ def test_question_time_and_run_time_tensor_parallel_recommendations_agree(plan):
     assert checked == 72 and picked == {1, 2, 4, 8}, picked  # the grid reaches every degree
 
 
+def test_host_memory_of_70b_on_one_24_gib_gpu_by_hand(plan):
+    # Llama 3.1 70B fits one 24 GiB GPU only with CPU offload: its whole fp32 state goes to the host.
+    s = shape(plan, "70b")
+    P, V, h = s.P, 128256, 8192
+    assert P == 70_553_706_496 and max(s.V * s.h, s.h * s.f) == V * h  # the embedding is the largest tensor
+    kw = dict(seq_len=2048, micro_batch_size=1, precision="bf16", ac="full", sharding="full", cpu_offload=True,
+              gpus_per_node=1, num_nodes=1)  # fmt: skip
+    m = plan.memory_plan(s, **kw)
+    host = plan.host_memory_plan(s, m, accelerator="cuda", precision="bf16", gpus_per_node=1, num_nodes=1,
+                                 cpu_offload=True)  # fmt: skip
+    assert host.state == 16 * P  # parameters, gradients, both AdamW moments: 1051.3 GiB
+    # One embedding in transit; rank 0's seeded initial weights; the shards their broadcast fills before
+    # loading them, in host memory like the parameters ...
+    assert host.load == 4 * V * h + 4 * P + 4 * P
+    assert host.start == host.load + 4 * P  # ... which exist already
+    assert host.export == 2 * 5e9 + 2 * 4 * V * h  # one 5 GB export file copied and serialised; the joined tensor
+    assert (host.runtime, host.os, host.device, host.staging) == (3 * GIB, 2 * GIB, 0, 0)
+    assert host.total == 5 * GIB + 16 * P + 2 * 5e9 + 8 * V * h  # training, not loading, is the peak
+    assert round(host.total / GIB, 1) == 1073.5
+    assert not host.fits(256) and host.fits(2048) and host.fits(0)  # 0: no figure, nothing to check
+    # dcp_async stages each rank's fp32 parameters and moments (12 P) too; LoRA from pretrained weights
+    # keeps bf16 frozen weights, builds only the adapters on rank 0 and exports bf16.
+    staged = plan.host_memory_plan(s, m, accelerator="cuda", precision="bf16", gpus_per_node=1, num_nodes=1,
+                                   cpu_offload=True, checkpoint_format="dcp_async")  # fmt: skip
+    assert staged.staging == 12 * P and staged.total - host.total == 12 * P
+    rank = HOOKS.LORA["rank"]
+    lora_m = plan.memory_plan(s, lora_rank=rank, **kw)
+    lora = plan.host_memory_plan(s, lora_m, accelerator="cuda", precision="bf16", gpus_per_node=1, num_nodes=1,
+                                 cpu_offload=True, lora_rank=rank, init_from=True)  # fmt: skip
+    A = 80 * plan.adapter_params(s, rank, "all")
+    assert lora.state == 2 * P + 16 * A and lora.load == 4 * V * h + 4 * A
+    assert lora.export == 2 * 5e9 + 2 * 2 * V * h
+    # On CPU ranks the device plan is host memory, and each rank receives the initial weights' broadcast
+    # in it (two copies of the largest tensor in transit).
+    cpu = plan.host_memory_plan(s, m, accelerator="cpu", precision="bf16", gpus_per_node=2, num_nodes=1,
+                                cpu_offload=True)  # fmt: skip
+    assert cpu.device == 2 * m.total and cpu.load == 2 * 2 * 4 * V * h + 4 * P + 2 * m.params
+    assert cpu.export == 2 * 2 * 5e9 / 2 + 2 * 4 * V * h and cpu.runtime == 2 * GIB
+
+
+# A seeded third of the grid (DDP with offload left out): every factor still meets every other.
+HOST_GRID = random.Random(0).sample([c for c in itertools.product(
+    PRESETS, ["cuda", "cpu"], ["bf16", "fp32"], ["full", "no_shard", "hybrid"], [False, True], [(1, 1), (8, 2)],
+    ["full", "lora"], ["dcp", "dcp_async"], [False, True],
+) if not (c[3] == "no_shard" and c[4])], 640)  # fmt: skip
+
+
+def test_question_time_and_run_time_host_memory_agree(plan):
+    fields = ["runtime", "state", "device", "staging", "load", "start", "export", "os", "total"]
+    checked = 0
+    for preset, accelerator, precision, sharding, offload, (gpus, nodes), finetune, fmt, export in HOST_GRID:
+        seq, mbs = PRESETS[preset]["seq_len"], PRESETS[preset]["micro_batch_size"]
+        rank = HOOKS.LORA["rank"] if finetune == "lora" else 0
+        m = plan.memory_plan(shape(plan, preset), seq_len=seq, micro_batch_size=mbs, precision=precision, ac="full",
+                             sharding=sharding, cpu_offload=offload, gpus_per_node=gpus, num_nodes=nodes,
+                             lora_rank=rank)  # fmt: skip
+        q = json.loads(jinja("host_plan", preset, {**asdict(m), "total": m.total}, accelerator, precision, gpus, nodes,
+                             offload, finetune, fmt, export, finetune == "lora"))  # fmt: skip
+        r = plan.host_memory_plan(shape(plan, preset), m, accelerator=accelerator, precision=precision,
+                                  gpus_per_node=gpus, num_nodes=nodes, cpu_offload=offload, lora_rank=rank,
+                                  checkpoint_format=fmt, export=export, init_from=finetune == "lora")  # fmt: skip
+        for name in fields:
+            assert q[name] == pytest.approx(getattr(r, name), rel=1e-12), (preset, accelerator, sharding, fmt, name)
+        checked += 1
+    assert checked == len(HOST_GRID) == 640
+
+
+def test_question_time_and_run_time_recommendations_agree_on_host_memory(plan):
+    from planpkg.config import CheckpointConfig, Config, HardwareConfig, ModelConfig, ParallelConfig, TrainConfig
+
+    differ = refused = 0
+    for preset, (gpus, nodes), memory, host, link, accelerator in itertools.product(
+        ["1b", "8b", "70b"], [(1, 1), (8, 1), (8, 2)], [24, 80], [64, 512, 2048], ["infiniband", "ethernet"],
+        ["cuda", "cpu"],
+    ):  # fmt: skip
+        if accelerator == "cpu" and (memory, link) != (24, "infiniband"):
+            continue
+        p = PRESETS[preset]
+        model = ModelConfig(**{k: v for k, v in p.items() if k not in ("seq_len", "micro_batch_size")}, preset=preset)
+        cfg = Config(
+            model=model,
+            train=TrainConfig(seq_len=p["seq_len"], micro_batch_size=p["micro_batch_size"],
+                              global_batch_size=p["micro_batch_size"] * gpus * nodes),
+            parallel=ParallelConfig(mixed_precision="bf16"),
+            hardware=HardwareConfig(accelerator=accelerator, gpus_per_node=gpus, num_nodes=nodes,
+                                    gpu_memory_gb=memory if accelerator != "cpu" else 0, host_memory_gb=host,
+                                    inter_node_link=link if nodes > 1 else ""),
+            checkpoint=CheckpointConfig(export="hf"),  # copier's search: an export, synchronous checkpoints
+        )  # fmt: skip
+        args = [preset, p["seq_len"], p["micro_batch_size"], "bf16", gpus, nodes, memory, link, accelerator]
+        q = hook("plan", "recommend", *args, "full", 1, host)
+        ac, sharding, offload = plan.recommend(cfg)
+        assert q == f"{ac},{sharding},{str(offload).lower()}", (preset, gpus, nodes, memory, host, link, accelerator)
+        differ += q != hook("plan", "recommend", *args)  # without a host figure
+        refused += plan.cheapest(cfg) is None
+    assert differ > 10 and refused > 10, (differ, refused)  # the node's RAM changes picks and refuses plans
+
+
 # Literals that only hooks/presets.jinja may hold: every other file (copier.yml, the hooks, the
 # generated repo's code and docs) reads them from there, or from the presets.py rendered from it.
 HOOKS = JINJA.get_template("hooks/presets.jinja").module
@@ -414,7 +513,7 @@ def test_generated_python_reads_presets_and_defaults_from_the_rendered_table(pla
     hooks = HOOKS
     presets = importlib.import_module("planpkg.presets")
     for name in ("LLAMA_PRESETS", "VIT_PRESETS", "DEBUG_RUN", "PEAK_TFLOPS", "GPU_ARCHS", "LINK_GBPS", "HEADROOM",
-                 "DEFAULT_BACKEND", "LORA", "LLAMA3_ROPE_SCALING"):  # fmt: skip
+                 "DEFAULT_BACKEND", "LORA", "LLAMA3_ROPE_SCALING", "HOST_MEMORY", "EXPORT_FILE_GB"):  # fmt: skip
         assert getattr(presets, name) == getattr(hooks, name), name
     for kind in presets.GPU_ARCHS:
         assert presets.DEFAULT_PRECISION[kind] == hook("presets", "default_precision", "cuda", kind)

@@ -38,9 +38,36 @@ REFUSED = {
         "GiB per GPU even at one 128-token sequence",
     ),
     "70b_sequence_too_long": (
-        {"gpus_per_node": 1, "gpu_memory_gb": 24, "model_size": "70b", "seq_len": 8192},
+        {"gpus_per_node": 1, "gpu_memory_gb": 24, "host_memory_gb": 2048, "model_size": "70b", "seq_len": 8192},
         "seq_len",
         "2048 tokens fit: 8192 need 39.0 GiB per GPU, 21.6 usable",
+    ),
+    # Offload is the only plan for 70b on one 24 GiB GPU, and its 16 bytes per parameter need 1 TiB of RAM.
+    "70b_host_memory": (
+        {"gpus_per_node": 1, "gpu_memory_gb": 24, "host_memory_gb": 256, "model_size": "70b"},
+        "model_size",
+        "needs at best 1073.5 GiB RAM per node, 230.4 of 256 GiB usable",
+    ),
+    "offload_host_memory": (
+        {"host_memory_gb": 48, "model_size": "1b", "cpu_offload": True},
+        "cpu_offload",
+        "choose cpu_offload=false: 55.6 GiB RAM per node (offload 18.4), 43.2 of 48 GiB usable",
+    ),
+    "async_checkpoint_host_memory": (
+        {
+            "gpus_per_node": 1,
+            "gpu_memory_gb": 24,
+            "host_memory_gb": 200,
+            "model_size": "8b",
+            "checkpoint_format": "dcp_async",
+        },
+        "checkpoint_format",
+        "choose dcp: 227.6 GiB RAM per node (async staging 89.7), 180.0 of 200 GiB usable",
+    ),
+    "cpu_ranks_host_memory": (
+        {"accelerator": "cpu", "host_memory_gb": 16, "model_size": "1b"},
+        "model_size",
+        "GiB RAM per node, 14.4 of 16 GiB usable",
     ),
     "micro_batch_too_large": (
         {"gpus_per_node": 1, "gpu_memory_gb": 24, "model_size": "8b", "micro_batch_size": 64},
@@ -100,6 +127,7 @@ REFUSED = {
     ),
     "no_gpus": ({"gpus_per_node": 0}, "gpus_per_node", "between 1 and 128"),
     "zero_gpu_memory": ({"gpu_memory_gb": 0}, "gpu_memory_gb", "between 1 and 1024"),
+    "zero_host_memory": ({"host_memory_gb": 0}, "host_memory_gb", "between 1 and 65536"),
     "sequence_too_long": ({"model_size": "debug", "seq_len": 128}, "seq_len", "max_seq_len"),
     "unknown_size": ({"model_size": "13b"}, "model_size", "13b"),
     "chats_for_an_image_model": (
@@ -155,19 +183,34 @@ def test_every_question_that_can_refuse_has_a_case_here():
 
 
 @pytest.mark.parametrize(
-    "case", ["8b_ddp_does_not_fit", "ac_none_cannot_fit", "offload_needed", "70b_sequence_too_long"]
-)
+    "case",
+    ["8b_ddp_does_not_fit", "ac_none_cannot_fit", "offload_needed", "70b_sequence_too_long", "offload_host_memory",
+     "async_checkpoint_host_memory"],
+)  # fmt: skip
 def test_the_fix_a_memory_refusal_names_is_accepted(tmp_path, case):
     """A refusal ends in `choose question=value` (or `N tokens fit`); taking that advice renders."""
     answers, question, _ = REFUSED[case]
     with pytest.raises(ValueError) as refusal:
         render(tmp_path / "refused", answers)
     message = str(refusal.value)
-    advice = re.search(rf"choose .*?\b{question}=(\w+)", message) or re.search(r": (\d+) tokens fit", message)
+    advice = (re.search(rf"choose .*?\b{question}=(\w+)", message) or re.search(r": (\d+) tokens fit", message)
+              or re.search(r"choose (dcp)\b", message))  # fmt: skip
     assert advice, message
     value = yaml.safe_load(advice.group(1))
     dst = render(tmp_path / "accepted", {**answers, question: value})
     assert yaml.safe_load((dst / ".copier-answers.yml").read_text())[question] == value
+
+
+def test_70b_on_one_gpu_renders_with_the_host_memory_it_needs(tmp_path):
+    """The plan 70b_host_memory refuses, on a node with 2 TiB: CPU offload, and PLAN.md's host column says why."""
+    root = render(tmp_path / "p", {**REFUSED["70b_host_memory"][0], "host_memory_gb": 2048})
+    answers = answers_of(root)
+    assert (answers["cpu_offload"], answers["sharding"], misfit(answers)) == (True, "full", "")
+    plan = (root / "PLAN.md").read_text()
+    assert "| peak (GiB) | host per node (GiB) | fits |" in plan
+    assert "| **full** | yes | 0.0 | 11.9 | 6.8 | 18.7 | 1073.5 | yes |" in plan
+    assert "| offload | 1051.3 GiB |" in plan and "| **peak** | **1073.5 GiB** |" in plan
+    assert "host_memory_gb = 2048" in (root / "configs" / "70b.toml").read_text()
 
 
 HARDWARE = [
@@ -180,6 +223,9 @@ HARDWARE = [
     {"num_nodes": 2, "inter_node_link": "ethernet", "gpu_memory_gb": 24, "model_type": "hf_causal_lm"},
     {"accelerator": "xpu", "gpus_per_node": 2, "gpu_memory_gb": 16, "model_type": "vit"},
     {"gpus_per_node": 1, "gpu_memory_gb": 24, "finetune": "lora"},
+    # Little RAM: 8b would need offload to 120 GiB of host memory, so the default is the largest preset that fits.
+    {"gpus_per_node": 1, "gpu_memory_gb": 24, "host_memory_gb": 64, "model_type": "llama"},
+    {"accelerator": "cpu", "gpus_per_node": 4, "host_memory_gb": 8, "model_type": "llama"},
     {"gpus_per_node": 2, "gpu_memory_gb": 40, "model_type": "hf_causal_lm", "finetune": "lora"},
     # Ethernet between nodes: the planner splits layers within each node (tensor_parallel > 1).
     {"num_nodes": 4, "inter_node_link": "ethernet", "gpu_memory_gb": 80, "model_type": "llama"},

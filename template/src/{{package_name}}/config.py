@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Literal
 
 import tyro
 
-from .presets import DEBUG_RUN, LLAMA3_ROPE_SCALING, LLAMA_PRESETS, LORA, VIT_PRESETS
+from .presets import DEBUG_RUN, EXPORT_FILE_GB, LLAMA3_ROPE_SCALING, LLAMA_PRESETS, LORA, VIT_PRESETS
 
 if TYPE_CHECKING:
     from .models.spec import ModelSpec
@@ -209,7 +209,7 @@ class CheckpointConfig:
     """auto (newest complete checkpoint in the run dir), never, or a checkpoint directory."""
     export: Literal["none", "safetensors", "hf"] = "none"
     """At the end of the run write the weights to <run_dir>/export: safetensors, or a Hugging Face directory."""
-    export_file_gb: float = 5.0
+    export_file_gb: float = EXPORT_FILE_GB
     """Largest export file in GB; a bigger model is split into model-0000x-of-0000y.safetensors with an index."""
     init_from: str = ""
     """Start from these weights (a directory of safetensors files, ours or Hugging Face's) instead of a random init."""
@@ -279,12 +279,14 @@ class HardwareConfig:
     """Nodes in the plan."""
     gpu_memory_gb: float = 0.0
     """Memory of one device in GiB (0 for CPU)."""
+    host_memory_gb: float = 0.0
+    """RAM of one node in GiB the plan was made for; 0 leaves host memory out of the plan."""
     intra_node_link: Literal["", "nvlink", "pcie"] = ""
     """Link between the devices of a node; sets the communication estimates of the plan."""
     inter_node_link: Literal["", "infiniband", "ethernet"] = ""
     """Link between nodes; sets the communication estimates of the plan."""
     enforce: bool = False
-    """Refuse to start when the live world size or device memory contradicts the plan."""
+    """Refuse to start when the live world size, device or host memory contradicts the plan."""
 
 
 @dataclass

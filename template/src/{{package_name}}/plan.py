@@ -67,6 +67,36 @@ with accumulation the sharded 4P/G, or 4P when FSDP keeps unsharded fp32 gradien
 last micro-batch (gradient sync skipped, the default). A plan fits when its peak is at most
 HEADROOM (presets.py) of device memory; the rest covers the CUDA context, NCCL buffers and
 allocator fragmentation, which `max_memory_allocated` does not count.
+
+Host memory (RAM) is planned per node (host_memory_plan), for r ranks per node, A adapter
+parameters, Lmax = max(V h, h f) elements in the largest tensor, e = 4 bytes per exported
+parameter (p with LoRA, whose export merges into the frozen dtype), F = checkpoint.export_file_gb:
+
+    runtime  r x HOST_MEMORY["runtime_gb"]: each rank's process before any model state (Python,
+             torch, the accelerator's libraries; tests/test_plan.py measures a CPU rank's)
+    state    r (params + grads + optim) with CPU offload (CPUOffloadPolicy keeps them on the host)
+    device   r x peak on CPU ranks, whose device memory is host memory
+    staging  r (params + optim) with checkpoint.format=dcp_async: async_save copies each rank's
+             checkpoint shard to host memory and writes it while training goes on
+    load     r c 4 Lmax: a whole fp32 tensor in transit per rank (a slice read from
+             checkpoint.init_from, c = 1; CPU ranks also receive the broadcast of the initial
+             weights, strategy.apply_weights_from_rank0, in host memory and copy their shard out
+             of it, c = 2; GPUs receive it in device memory). Without checkpoint.init_from also
+             4 (P + A) on rank 0, which builds the seeded initial weights whole, and the shards the
+             broadcast fills before it loads them, a second r x params where parameters live on
+             the host (CPU offload, CPU ranks); with it, 4 A: rank 0 builds the adapters only
+    export   2 r min(F, e P) / world + 2 e Lmax with checkpoint.export: each rank's share of an
+             export file, gathered on the host and serialised, and the whole tensor rank 0 joins
+             at a time with its pieces
+    os       HOST_MEMORY["os_gb"]: the kernel, system services, the launcher
+
+Loading ends before training starts, and the last async save may still be written while the
+export runs, so the peak is runtime + os + max(start, state + device + staging + export), with
+start = load + the parameters alive then (r x params with offload or on CPU ranks). The loaders
+start no worker processes (data.py reads in the training process; token files through a memory
+map, whose pages are the kernel's cache), so there is no term for them. A plan fits a node when
+its peak is at most HOST_MEMORY["headroom"] of its RAM; at start-up `check_plan` compares it with
+this node's (MemTotal, or a smaller cgroup limit: hardware.host_memory_mib).
 """
 
 from __future__ import annotations
@@ -77,9 +107,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from . import hardware
 from .config import Config, UsageError
 from .models import ModelShape, model_spec
-from .presets import GPU_ARCHS, HEADROOM, LINK_GBPS, LORA, PEAK_TFLOPS
+from .presets import EXPORT_FILE_GB, GPU_ARCHS, HEADROOM, HOST_MEMORY, LINK_GBPS, LORA, PEAK_TFLOPS
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +143,44 @@ class MemoryPlan:
 
     def fits(self, gpu_memory_gb: float) -> bool:
         return self.total <= HEADROOM * gpu_memory_gb * GIB
+
+
+@dataclass(frozen=True)
+class HostPlan:
+    """Host memory (RAM) of one node, by term, in bytes (see the module docstring)."""
+
+    runtime: float
+    state: float
+    """Offloaded parameters, gradients and optimizer state."""
+    device: float
+    """CPU ranks' device plan, which is host memory."""
+    staging: float
+    """dcp_async's host copy of every rank's checkpoint shard."""
+    load: float
+    """Initial or pretrained weights in transit, and rank 0's whole initial copy."""
+    start: float
+    """What loading holds: `load`, and the parameters already allocated."""
+    export: float
+    os: float
+
+    @property
+    def total(self) -> float:
+        """Peak bytes of the node: loading, or training with its checkpoint and export buffers."""
+        return self.runtime + self.os + max(self.start, self.state + self.device + self.staging + self.export)
+
+    def fits(self, host_memory_gb: float) -> bool:
+        """Whether the peak fits a node of this much RAM; 0 (unknown) always does."""
+        return not host_memory_gb or self.total <= HOST_MEMORY["headroom"] * host_memory_gb * GIB
+
+    def describe(self) -> str:
+        """The terms that make up the peak, in GiB."""
+        if self.start > self.state + self.device + self.staging + self.export:
+            terms = {"runtime": self.runtime, "loading weights": self.start}
+        else:
+            terms = {"runtime": self.runtime, "offload": self.state, "CPU ranks": self.device,
+                     "async staging": self.staging, "export": self.export}  # fmt: skip
+        terms["OS"] = self.os
+        return ", ".join(f"{name} {n / GIB:.1f}" for name, n in terms.items() if n) + " GiB"
 
 
 def shard_group(sharding: str, gpus_per_node: int, num_nodes: int, tensor_parallel: int = 1) -> int:
@@ -158,6 +227,46 @@ def memory_plan(
     activations = tokens * (s.L * per_layer(ac) + extra) + logits * s.V * (p + 12)
     host = params + grads + optim if cpu_offload else 0
     return MemoryPlan(params, grads, optim, grads_live, gathered, gradbuf, activations, host)
+
+
+def host_memory_plan(
+    s: ModelShape, m: MemoryPlan, *, accelerator: str, precision: str, gpus_per_node: int, num_nodes: int,
+    cpu_offload: bool, lora_rank: int = 0, lora_targets: str = LORA["targets"], checkpoint_format: str = "dcp",
+    export: bool = True, init_from: bool = False, export_file_gb: float = EXPORT_FILE_GB,
+) -> HostPlan:  # fmt: skip
+    """Host bytes of one node for a rank's memory plan `m` (see the module docstring); rank 0's node."""
+    r, world, cpu = gpus_per_node, gpus_per_node * num_nodes, accelerator == "cpu"
+    p = 4 if precision == "fp32" else 2
+    adapters = s.L * adapter_params(s, lora_rank, lora_targets) if lora_rank else 0
+    largest = max(s.V * s.h, s.h * s.f)
+    e = p if lora_rank else 4  # bytes per exported parameter
+    resident = r * m.params if cpu_offload or cpu else 0  # parameters that live in host memory
+    load = r * (2 if cpu else 1) * 4 * largest + (4 * adapters if init_from else 4 * (s.P + adapters) + resident)
+    out = r * 2 * min(export_file_gb * 1e9, e * s.P) / world + 2 * e * largest if export else 0
+    return HostPlan(
+        runtime=r * HOST_MEMORY["runtime_gb"][accelerator] * GIB,
+        state=r * m.host,
+        device=r * m.total if cpu else 0,
+        staging=r * (m.params + m.optim) if checkpoint_format == "dcp_async" else 0,
+        load=load,
+        start=load + resident,
+        export=out,
+        os=HOST_MEMORY["os_gb"] * GIB,
+    )
+
+
+def host_plan_for(
+    cfg: Config, m: MemoryPlan | None = None, *, cpu_offload: bool | None = None, ranks_per_node: int | None = None,
+) -> HostPlan:  # fmt: skip
+    """The host plan of `cfg` (with memory plan `m`, default plan_for(cfg)) on a node of `ranks_per_node` ranks."""
+    hw, c = cfg.hardware, cfg.checkpoint
+    offload = cfg.parallel.cpu_offload if cpu_offload is None else cpu_offload
+    return host_memory_plan(
+        ModelShape.of(cfg.model), m or plan_for(cfg), accelerator=hw.accelerator,
+        precision=cfg.parallel.mixed_precision, gpus_per_node=ranks_per_node or hw.gpus_per_node,
+        num_nodes=hw.num_nodes, cpu_offload=offload, **lora_of(cfg), checkpoint_format=c.format,
+        export=c.export != "none", init_from=bool(c.init_from), export_file_gb=c.export_file_gb,
+    )  # fmt: skip
 
 
 def block_gather_bytes(s: ModelShape, p: int, sharding: str, float8: str, adapters: int = 0) -> float:
@@ -245,30 +354,37 @@ def plan_for(
 
 
 def cheapest(cfg: Config) -> tuple[str, str, bool] | None:
-    """The cheapest (activation checkpointing, sharding, offload) that fits the device; None if nothing does.
+    """The cheapest (activation checkpointing, sharding, offload) that fits the device and the node's RAM; None if
+    nothing does.
 
     Sharding harder is tried before recomputing (recomputation costs every step), and CPU
     offload only when nothing else fits. DDP with a ZeRO optimizer is never the pick:
     shard_grad_op splits the gradients as well, and sends less (one all-gather and a
-    reduce-scatter against an all-reduce and a broadcast).
+    reduce-scatter against an all-reduce and a broadcast). CPU ranks have no device budget: full
+    sharding without offload, recomputing only where host memory needs it. The host plan takes
+    cfg's checkpoint format and export (copier's questions assume dcp and an export, the defaults
+    of the later questions, and check the answers to those when they are given).
     """
-    hw = cfg.hardware
-    for offload in (False, True):
+    hw, cpu = cfg.hardware, cfg.hardware.accelerator == "cpu"
+    degree = cfg.parallel.tensor_parallel
+    shardings = ("full",) if cpu else sharding_candidates(hw.num_nodes, hw.inter_node_link, degree)
+    for offload in (False,) if cpu else (False, True):
         for ac in AC_MODES:
-            for sharding in sharding_candidates(hw.num_nodes, hw.inter_node_link, cfg.parallel.tensor_parallel):
+            for sharding in shardings:
                 if offload and sharding == "no_shard":
                     continue
                 plan = plan_for(cfg, sharding=sharding, cpu_offload=offload, ac=ac, zero_optimizer=False)
-                if plan.fits(hw.gpu_memory_gb):
+                if (cpu or plan.fits(hw.gpu_memory_gb)) and host_plan_for(cfg, plan, cpu_offload=offload).fits(
+                    hw.host_memory_gb
+                ):
                     return ac, sharding, offload
     return None
 
 
 def recommend(cfg: Config) -> tuple[str, str, bool]:
-    """cheapest(cfg); on CPU ranks full sharding without recomputation; the most frugal plan when nothing fits."""
-    if cfg.hardware.accelerator == "cpu":
-        return "none", "full", False
-    return cheapest(cfg) or ("full", "full", True)
+    """cheapest(cfg), or the most frugal plan when nothing fits (check_plan and copier then refuse it); CPU ranks
+    gain nothing from offload."""
+    return cheapest(cfg) or ("full", "full", cfg.hardware.accelerator != "cpu")
 
 
 def communication_bytes(
@@ -443,11 +559,13 @@ def device_memory_gb(device: torch.device) -> float | None:
     return None
 
 
-def check_plan(cfg: Config, world_size: int, device: torch.device) -> None:
+def check_plan(cfg: Config, world_size: int, device: torch.device, ranks_per_node: int | None = None) -> None:
     """Refuse to start when the live job contradicts the plan the repo was generated with.
 
     Applies when the run is on the planned kind of device and `hardware.enforce` is set (the
-    preset configs); the debug config and CPU fallbacks only log the plan.
+    preset configs); the debug config and CPU fallbacks only log the plan. The host plan is for
+    `ranks_per_node` ranks (the launch's LOCAL_WORLD_SIZE; default: the plan's) against this
+    node's RAM.
     """
     hw = cfg.hardware
     planned = hw.gpus_per_node * hw.num_nodes
@@ -470,15 +588,44 @@ def check_plan(cfg: Config, world_size: int, device: torch.device) -> None:
             f"the plan needs {plan.total / GIB:.1f} GiB per device and this {device.type} has {live:.1f} GiB "
             f"({HEADROOM:.0%} usable)"
         )
+    message = "; ".join(problems) + (
+        ". Launch the planned world size, or re-plan for this machine: "
+        f"`python -m {__package__}.plan --config <file>` shows every option, and "
+        "`copier update --defaults -d gpus_per_node=N -d gpu_memory_gb=M` regenerates the configs"
+        if problems
+        else ""
+    )
+    host = check_host_memory(cfg, ranks_per_node or hw.gpus_per_node)
+    if host:
+        problems.append(host)
+        message = f"{message}. {host[0].upper()}{host[1:]}" if message else host
     if problems and hw.enforce:
-        raise UsageError(
-            "; ".join(problems) + ". Launch the planned world size, or re-plan for this machine: "
-            f"`python -m {__package__}.plan --config <file>` shows every option, and "
-            "`copier update --defaults -d gpus_per_node=N -d gpu_memory_gb=M` regenerates the configs "
-            "(or set hardware.enforce = false to run anyway)"
-        )
+        raise UsageError(f"{message} (or set hardware.enforce = false to run anyway)")
     for problem in problems:
         logger.warning("%s (hardware.enforce is off: continuing)", problem)
+
+
+def check_host_memory(cfg: Config, ranks_per_node: int, ram_gib: float | None = None) -> str:
+    """Why `cfg`'s host plan does not fit this node's RAM (`ram_gib`, default: read from the machine), or ""."""
+    if ram_gib is None:
+        found = hardware.host_memory_mib()
+        if found is None:
+            return ""  # no /proc/meminfo: nothing to compare with
+        ram_gib = found[0] / 1024
+    host = host_plan_for(cfg, ranks_per_node=ranks_per_node)
+    if host.fits(ram_gib):
+        return ""
+    fixes = ["fewer ranks per node"] if ranks_per_node > 1 else []
+    fixes.append("more nodes")
+    if cfg.parallel.cpu_offload:
+        fixes.append("parallel.cpu_offload=false")
+    if cfg.checkpoint.format == "dcp_async":
+        fixes.append("checkpoint.format=dcp")
+    fix = f"{', '.join(fixes[:-1])} or {fixes[-1]}" if len(fixes) > 1 else fixes[0]
+    return (
+        f"the plan needs {host.total / GIB:.1f} GiB of host memory per node ({host.describe()}) and this node has "
+        f"{ram_gib:.1f} GiB ({HOST_MEMORY['headroom']:.0%} usable): {fix}"
+    )
 
 
 if __name__ == "__main__":

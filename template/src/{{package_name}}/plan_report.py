@@ -15,12 +15,14 @@ from .config import EXIT_USAGE, Config, load_config
 from .plan import (
     GIB,
     HEADROOM,
+    HOST_MEMORY,
     SHARDINGS,
     ModelShape,
     adapter_params,
     communication_bytes,
     estimate_tensor_parallel,
     grad_accum,
+    host_plan_for,
     lora_of,
     plan_for,
     recommend,
@@ -34,20 +36,23 @@ def format_table(cfg: Config) -> str:
     """Per-rank memory and per-step communication of every sharding choice for this config."""
     s, hw, p = ModelShape.of(cfg.model), cfg.hardware, cfg.parallel
     unit, unit_name = (GIB, "GiB") if plan_for(cfg, sharding="no_shard").total >= GIB else (2**20, "MiB")
-    widths = (15, 8, 11, 7, 10, 8, 10, 6, 8, 13)
+    widths = (15, 8, 11, 7, 10, 8, 10, 9, 7, 8, 13)
 
     def line(*values) -> str:
         return "".join(
-            f"{v:<{w}}" if i in (0, 7) else f"{v:>{w}}" for i, (v, w) in enumerate(zip(values, widths, strict=True))
+            f"{v:<{w}}" if i in (0, 8) else f"{v:>{w}}" for i, (v, w) in enumerate(zip(values, widths, strict=True))
         )
 
     group = "rank" if p.tensor_parallel == 1 else f"group of {p.tensor_parallel} (tensor parallel)"
+    usable = HOST_MEMORY["headroom"] * hw.host_memory_gb
+    ram = f"; {hw.host_memory_gb:g} GiB of RAM per node ({usable:.1f} usable)" if hw.host_memory_gb else ""
     rows = [
         f"{cfg.model.preset}: {s.P / 1e9:.2f}B parameters; per {group} {cfg.train.micro_batch_size} x "
         f"{cfg.train.seq_len} tokens x {grad_accum(cfg)} micro-batch(es); {p.mixed_precision}; activation "
         f"checkpointing {p.activation_checkpointing}",
         f"hardware: {hw.num_nodes} node(s) x {hw.gpus_per_node} {hw.accelerator}"
-        + (f", {hw.gpu_memory_gb:g} GiB each ({HEADROOM * hw.gpu_memory_gb:.1f} usable)" if hw.gpu_memory_gb else ""),
+        + (f", {hw.gpu_memory_gb:g} GiB each ({HEADROOM * hw.gpu_memory_gb:.1f} usable)" if hw.gpu_memory_gb else "")
+        + ram,
         *lora_lines(cfg, unit, unit_name),
         "",
         line(
@@ -58,6 +63,7 @@ def format_table(cfg: Config) -> str:
             "gathered",
             "activ.",
             f"peak {unit_name}",
+            f"host {unit_name}",
             "  fits",
             "comm GB",
             "comm/compute",
@@ -74,9 +80,12 @@ def format_table(cfg: Config) -> str:
             s, sharding, p.mixed_precision, hw.gpus_per_node, hw.num_nodes, zero, p.float8, **lora_of(cfg),
             tensor_parallel=p.tensor_parallel,
         )  # fmt: skip
-        fits = "yes" if not hw.gpu_memory_gb or m.fits(hw.gpu_memory_gb) else "no"
+        host = host_plan_for(cfg, m, cpu_offload=offload)
+        device_fits = not hw.gpu_memory_gb or m.fits(hw.gpu_memory_gb)
+        fits = "no" if not device_fits else "yes" if host.fits(hw.host_memory_gb) else "host"
         resident = 0 if offload else m.params + m.optim
-        sizes = [f"{b / unit:.1f}" for b in (resident, m.grads_live, m.gathered + m.gradbuf, m.activations, m.total)]
+        sizes = [f"{b / unit:.1f}" for b in (resident, m.grads_live, m.gathered + m.gradbuf, m.activations, m.total,
+                                             host.total)]  # fmt: skip
         this = (sharding, offload, zero) == (p.sharding, p.cpu_offload, p.zero_optimizer)
         name, sent_gb = sharding + ("+zero" if zero else ""), sum(sent.values()) / 1e9
         row = line(name, "yes" if offload else "no", *sizes, f"  {fits}", f"{sent_gb:.1f}", f"{comm / compute:.2f}")
@@ -85,6 +94,7 @@ def format_table(cfg: Config) -> str:
     rows += [
         "",
         f"planner's choice: sharding={sharding}, activation_checkpointing={ac}, cpu_offload={offload}",
+        f"host: RAM of one node ({hw.gpus_per_node} ranks) at its peak; this config's: {host_plan_for(cfg).describe()}",
         "comm/compute: estimated communication time over compute time per step (40% MFU); above 1, FSDP cannot "
         "hide the communication behind compute",
     ]
@@ -160,6 +170,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(EXIT_USAGE)
     if args.json:
         chosen = plan_for(cfg)
-        print(json.dumps({**asdict(chosen), "total": chosen.total}))
+        host = host_plan_for(cfg, chosen)
+        print(json.dumps({**asdict(chosen), "total": chosen.total, "node": {**asdict(host), "total": host.total}}))
     else:
         print(format_table(cfg))

@@ -9,12 +9,21 @@ from pathlib import Path
 
 from . import hardware
 from .config import Config, HardwareConfig, load_config
-from .plan import estimate_tensor_parallel, grad_accum, plan_for, recommend, recommend_tensor_parallel
+from .plan import (
+    GIB,
+    HOST_MEMORY,
+    estimate_tensor_parallel,
+    grad_accum,
+    host_plan_for,
+    plan_for,
+    recommend,
+    recommend_tensor_parallel,
+)
 from .plan_report import format_table
 from .presets import DEFAULT_BACKEND, DEFAULT_PRECISION
 
 # copier.yml's hardware questions, in its order.
-HARDWARE_QUESTIONS = ("accelerator", "gpu_arch", "gpus_per_node", "gpu_memory_gb", "intra_node_link")
+HARDWARE_QUESTIONS = ("accelerator", "gpu_arch", "gpus_per_node", "gpu_memory_gb", "host_memory_gb", "intra_node_link")
 
 
 def default_precision(hw: HardwareConfig) -> str:
@@ -35,11 +44,13 @@ def live_hardware(planned: HardwareConfig, detected: dict) -> HardwareConfig:
     """The planned hardware as `detected` on this machine (copier answers, as hardware.detect gives them).
 
     num_nodes and inter_node_link stay as planned: one machine cannot see the others. CPU ranks
-    are a choice rather than hardware, so a CPU plan keeps its own number of them.
+    are a choice rather than hardware, so a CPU plan keeps its own number of them. Host memory
+    stays as planned when the probe did not read it.
     """
     accelerator = detected.get("accelerator")
     if accelerator not in DEFAULT_BACKEND:
         raise ValueError(f"detected accelerator={accelerator!r}: expected one of cuda, xpu, cpu")
+    planned = replace(planned, host_memory_gb=float(detected.get("host_memory_gb") or planned.host_memory_gb))
     if accelerator == "cpu":
         ranks = planned.gpus_per_node if planned.accelerator == "cpu" else int(detected.get("gpus_per_node", 2))
         return replace(
@@ -135,7 +146,8 @@ def update_command(answers: dict) -> str:
 
 
 def describe(hw: HardwareConfig) -> str:
-    details = [hw.gpu_arch, f"{hw.gpu_memory_gb:g} GiB" if hw.accelerator != "cpu" else "", hw.intra_node_link]
+    ram = f"{hw.host_memory_gb:g} GiB RAM per node" if hw.host_memory_gb else ""
+    details = [hw.gpu_arch, f"{hw.gpu_memory_gb:g} GiB" if hw.accelerator != "cpu" else "", hw.intra_node_link, ram]
     extra = ", ".join(d for d in details if d)
     return f"{hw.num_nodes} node(s) x {hw.gpus_per_node} {hw.accelerator}" + (f" ({extra})" if extra else "")
 
@@ -170,6 +182,13 @@ def detect_report(cfg: Config, detected: dict, how: dict | None = None, preset: 
         lines += [
             f"Nothing fits {preset.model.preset} on {describe(live)}, not even full sharding with CPU offload and full "
             "activation checkpointing: add -d micro_batch_size=N or -d seq_len=N below, or -d model_size=<smaller>.",
+            "",
+        ]
+    elif not (host := host_plan_for(final)).fits(live.host_memory_gb):
+        lines += [
+            f"{preset.model.preset} needs {host.total / GIB:.1f} GiB of RAM per node ({host.describe()}), over the "
+            f"{HOST_MEMORY['headroom'] * live.host_memory_gb:.1f} GiB usable of {live.host_memory_gb:g}: add "
+            "-d num_nodes=N below, or -d model_size=<smaller>.",
             "",
         ]
     lines += [
