@@ -215,10 +215,7 @@ def train_step(model: nn.Module, optimizer, scheduler, micro_batches, ctx: StepC
         loss_sum += loss.detach()
     if ctx.scaler:
         ctx.scaler.unscale_(optimizer)
-    max_norm = ctx.max_grad_norm if ctx.max_grad_norm > 0 else math.inf
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)
-    # With sharded parameters the norm is a DTensor; full_tensor() makes .item() the global value.
-    grad_norm = (norm.full_tensor() if isinstance(norm, DTensor) else norm).item()
+    grad_norm = clip_gradients(model, ctx.max_grad_norm if ctx.max_grad_norm > 0 else math.inf)
     if not math.isfinite(grad_norm) and ctx.scaler is None:
         raise FloatingPointError(
             f"non-finite loss or gradient (grad norm {grad_norm}) at step {scheduler.last_epoch + 1}; refusing "
@@ -233,6 +230,17 @@ def train_step(model: nn.Module, optimizer, scheduler, micro_batches, ctx: StepC
     optimizer.zero_grad(set_to_none=True)
     scheduler.step()
     return StepResult(loss_sum, grad_norm, lr)
+
+
+def clip_gradients(model: nn.Module, max_norm: float) -> float:
+    """Scale the gradients down to a global norm of at most `max_norm`; return their norm before that.
+
+    With sharded parameters the norm is a DTensor, summed over the mesh dimensions that split the
+    gradients in one all-reduce (with tensor parallelism, over the "dp_shard_tp" group that
+    distributed.build_mesh flattens for it); full_tensor() then makes .item() the global value.
+    """
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)
+    return (norm.full_tensor() if isinstance(norm, DTensor) else norm).item()
 
 
 def checkpoint_load(ckpt: CheckpointManager, state: TrainState, path: Path | None) -> int:
