@@ -43,6 +43,12 @@ class UsageError(ValueError):
     """
 
 
+JOB_WIDE = {"job_wide": True}
+"""`logger.warning(..., extra=JOB_WIDE)`: a warning that every rank would give alike (about the config, the
+job or a shared file) is printed once per job, by rank 0 (metrics.init_logging). A warning about one
+rank's own state goes without it and comes from each rank that has it."""
+
+
 def reports_errors() -> bool:
     """Whether this process prints a refusal: local rank 0, so each node's log says why; other ranks exit quietly."""
     return os.environ.get("LOCAL_RANK", "0") == "0"

@@ -77,7 +77,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .config import Config, UsageError
+from .config import JOB_WIDE, Config, UsageError
 from .models import ModelShape, model_spec
 from .presets import GPU_ARCHS, HEADROOM, LINK_GBPS, LORA, PEAK_TFLOPS
 
@@ -478,7 +478,7 @@ def check_plan(cfg: Config, world_size: int, device: torch.device) -> None:
             "(or set hardware.enforce = false to run anyway)"
         )
     for problem in problems:
-        logger.warning("%s (hardware.enforce is off: continuing)", problem)
+        logger.warning("%s (hardware.enforce is off: continuing)", problem, extra=JOB_WIDE)
 
 
 if __name__ == "__main__":
