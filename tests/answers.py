@@ -163,3 +163,8 @@ PRETRAINED = ["ada_offload"]
 # checkpoints resharded and its export, which the FULL renders leave out (tests/test_tensor_parallel.py;
 # every render has it, and the preset configs of renders such as blackwell_70b set the degree).
 TENSOR_PARALLEL = ["cpu_debug"]
+# TRANSFORMERS_TENSOR_PARALLEL: the same file in a transformers render (hf_causal_lm, qwen2), whose plan is
+# transformers' own, without sequence parallelism: the plan read and refused, the 2 x 2 run against the
+# golden losses, its checkpoint loaded on one rank and its export (two launches). The reshards, the eager
+# pair and the refused launch exercise what the built-in model's run above already does.
+TRANSFORMERS_TENSOR_PARALLEL = ["ada_offload"]

@@ -35,7 +35,7 @@ def misfit(a: dict) -> str:
                 a["mixed_precision"], a["activation_checkpointing"], a["sharding"], a["cpu_offload"],
                 a["gpus_per_node"], a["num_nodes"], a.get("gpu_memory_gb", 0), a.get("inter_node_link", "infiniband"),
                 a["accelerator"], a.get("zero_optimizer", False), a.get("finetune", "full"),
-                a.get("tensor_parallel", 1))  # fmt: skip
+                a.get("tensor_parallel", 1), a.get("model_type") != "hf_causal_lm")  # fmt: skip
 
 
 def render(dst: Path, answers: dict | None = None, src: Path = TEMPLATE, **kwargs) -> Path:

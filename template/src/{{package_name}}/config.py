@@ -439,10 +439,11 @@ class Config:
             return []
         if degree < 1:
             return [f"parallel.tensor_parallel={degree} must be at least 1 (1: no tensor parallelism)"]
-        if spec.tp_plan is None:
+        plan = spec.tensor_parallel_plan(self.model)
+        if plan is None:
             return [f"parallel.tensor_parallel={degree} cannot split model.name={self.model.name}: {spec.tp_refusal}; "
                     "set parallel.tensor_parallel=1"]  # fmt: skip
-        errors = spec.tp_plan.check(self, degree)
+        errors = plan.check(self, degree)
         if p.sharding == "no_shard":
             errors.append(
                 f"parallel.tensor_parallel={degree} needs FSDP across the tensor-parallel groups: sharding=no_shard "

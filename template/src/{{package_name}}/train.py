@@ -102,7 +102,8 @@ def build_model_meta(cfg: Config, env: DistEnv, *, init_weights: bool) -> nn.Mod
     if cfg.finetune.method == "lora":
         apply_frozen_dtype(model, DTYPES[p.mixed_precision])
     apply_float8(model.layers, p.float8, fsdp=strategy.shards_parameters)
-    strategy.apply_tensor_parallel(model, model_spec(cfg.model.name).tp_plan)  # before the wrappers rename the blocks
+    # Before the wrappers rename the blocks.
+    strategy.apply_tensor_parallel(model, model_spec(cfg.model.name).tensor_parallel_plan(cfg.model))
     apply_ac(model.layers, p.activation_checkpointing, adapter_rank=lora_rank(cfg.finetune))
     if p.compile:
         apply_compile(model.layers, p.compile_backend)
