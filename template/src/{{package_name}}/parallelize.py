@@ -168,7 +168,7 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, plan: TensorParallelPlan) -> No
         parallelize_module(block, mesh, {path: styles[layout]() for path, layout in plan.block.items()})
     # The embedding's output is DTensor.to_local()'s, a view; FSDP hooks its backward onto it, and
     # a compiled first block then drops that gradient (the embedding would never learn). A copy
-    # (one micro-batch's hidden states, split by sequence) is not a view.
+    # (one micro-batch's hidden states, or this rank's part of them) is not a view.
     if (embed := model.get_input_embeddings()) is not None:
         embed.register_forward_hook(lambda module, args, output: output.clone())
     # Splitting the embedding and the head gave each a parameter of its own: tie them again (both

@@ -205,7 +205,7 @@ class TensorParallelPlan:
     sequence_parallel: bool = True
     """Split the activations between the blocks by sequence (less activation memory, and norms run on
     1/degree of the positions); False keeps them whole, for models that need every position in each
-    layer (transformers' builds its attention mask from the length its layers see)."""
+    layer (transformers builds its attention mask from the length its layers see)."""
 
 
 def decoder_tp_errors(cfg: Config, degree: int) -> list[str]:
