@@ -76,6 +76,12 @@ REFUSED = {
         "tensor_parallel",
         "must divide the 125m preset's n_heads=12, n_kv_heads=12",
     ),
+    "tensor_parallel_splits_transformers_heads": (
+        {"model_type": "hf_causal_lm", "model_size": "125m", "tensor_parallel": 8},
+        "tensor_parallel",
+        "must divide the 125m preset's n_heads=12, n_kv_heads=12 (each rank takes whole heads and an equal share of "
+        "every matrix): answer one of 1, 2, 4",
+    ),
     "tensor_parallel_without_a_plan": (
         {"model_type": "vit", "model_size": "vit-base", "tensor_parallel": 2},
         "tensor_parallel",
