@@ -167,3 +167,8 @@ TENSOR_PARALLEL = ["cpu_debug"]
 # host_memory test, one launch), which the other SMOKE renders leave out: it forces its own model, sharding,
 # offload and checkpoint settings, so one render shows what every render would.
 HOST_MEMORY = ["cpu_debug"]
+# TRANSFORMERS_TENSOR_PARALLEL: the same file in a transformers render (hf_causal_lm, qwen2), whose plan is
+# transformers' own, without sequence parallelism: the plan read and refused, the 2 x 2 run against the
+# golden losses, its checkpoint loaded on one rank and its export (two launches). The reshards, the eager
+# pair and the refused launch exercise what the built-in model's run above already does.
+TRANSFORMERS_TENSOR_PARALLEL = ["ada_offload"]

@@ -9,7 +9,19 @@ import sys
 
 import pytest
 import yaml
-from answers import FAULTS, FLOAT8, FULL, HOST_MEMORY, LORA, PRETRAINED, SFT, SMOKE, STRATEGIES, TENSOR_PARALLEL
+from answers import (
+    FAULTS,
+    FLOAT8,
+    FULL,
+    HOST_MEMORY,
+    LORA,
+    PRETRAINED,
+    SFT,
+    SMOKE,
+    STRATEGIES,
+    TENSOR_PARALLEL,
+    TRANSFORMERS_TENSOR_PARALLEL,
+)
 
 RUN_ON_CPU = {
     "sharding": {"full", "shard_grad_op", "hybrid", "no_shard"},
@@ -108,4 +120,11 @@ def test_generated_pretrained_llama3_weights_compute_transformers_logits(rendere
 
 @pytest.mark.parametrize("name", TENSOR_PARALLEL)
 def test_generated_tensor_parallel_trains_reshards_and_exports(rendered, name):
-    run_every_test_of(rendered[name], "tests/test_tensor_parallel.py", 8)
+    run_every_test_of(rendered[name], "tests/test_tensor_parallel.py", 10)
+
+
+@pytest.mark.parametrize("name", TRANSFORMERS_TENSOR_PARALLEL)
+def test_generated_transformers_tensor_parallel_trains_loads_on_one_rank_and_exports(rendered, name):
+    out = run_generated(rendered[name], "-m", "", "tests/test_tensor_parallel.py",
+                        "-k", "not (reshards_to or eager_pair or larger_than_the_node)")  # fmt: skip
+    assert "8 passed" in out and "skipped" not in out, out[-2000:]

@@ -4,6 +4,7 @@ run time (the generated plan.py) on a grid of inputs."""
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import itertools
 import json
@@ -27,8 +28,9 @@ def jinja(macro: str, *args):
 
 @pytest.fixture(scope="module")
 def plan(tmp_path_factory):
-    """The generated plan.py module, imported from a render."""
-    root = render(tmp_path_factory.mktemp("plan") / "p", {"accelerator": "cpu", "package_name": "planpkg"})
+    """The generated plan.py module, imported from a render: an hf_causal_lm one, whose registry has llama too."""
+    answers = {"accelerator": "cpu", "package_name": "planpkg", "model_type": "hf_causal_lm"}
+    root = render(tmp_path_factory.mktemp("plan") / "p", answers)
     sys.path.insert(0, str(root / "src"))
     try:
         yield importlib.import_module("planpkg.plan")
@@ -278,6 +280,13 @@ def test_tensor_parallel_splits_what_one_rank_holds_by_hand(plan):
     assert plan.activation_bytes_per_token(s, "bf16", "full", tensor_parallel=4) == 2 * h / 4
     tokens, logits = 4 * 8192, 128256 * (2 + 12)  # the logits stay whole on every rank
     assert four.activations == tokens * (80 * 4096 + 136_192 + logits) == 74_037_854_208
+    # Without sequence parallelism (transformers' plans) the norms and each block's input stay whole.
+    whole = functools.partial(plan.activation_bytes_per_token, s, "bf16", tensor_parallel=4, sequence_parallel=False)
+    assert whole("none") == 16 * h + 2 * (2 * h + (3 * h + 2 * kv + 4 * f) / 4) == 234_496
+    assert whole("selective") == 2 * (3 * h + (2 * h + 2 * kv + 2 * f) / 4) == 87_040
+    assert whole("full") == 2 * h
+    four_whole = plan.memory_plan(s, tensor_parallel=4, sequence_parallel=False, **kw)
+    assert four_whole.activations - four.activations == tokens * (80 * (2 * h - 2 * h / 4) + 234_496 - 136_192)
     # FSDP moves 1/4 of the parameters among 8 data-parallel ranks: 2P (two bf16 gathers + fp32 grads) x 7/8.
     sent = plan.communication_bytes(s, "full", "bf16", 8, 4, tensor_parallel=4)
     assert sent == {"intra": 0.0, "inter": 2 * s.P * 7 / 8}
@@ -286,11 +295,12 @@ def test_tensor_parallel_splits_what_one_rank_holds_by_hand(plan):
     assert plan.tensor_parallel_bytes(shape(plan, "8b"), "bf16", "none", 2, 16384) == 19_549_650_944
 
 
-def hardware_config(preset, precision, gpus, nodes, memory, intra, inter, arch):
+def hardware_config(preset, precision, gpus, nodes, memory, intra, inter, arch, **model_fields):
     from planpkg.config import Config, HardwareConfig, ModelConfig, ParallelConfig, TrainConfig
 
     p = PRESETS[preset]
-    model = ModelConfig(**{k: v for k, v in p.items() if k not in ("seq_len", "micro_batch_size")}, preset=preset)
+    fields = {k: v for k, v in p.items() if k not in ("seq_len", "micro_batch_size")} | model_fields
+    model = ModelConfig(**fields, preset=preset)
     return Config(
         model=model,
         train=TrainConfig(seq_len=p["seq_len"], micro_batch_size=p["micro_batch_size"],
@@ -333,16 +343,20 @@ TP_GRID = list(itertools.product(
 
 def test_question_time_and_run_time_agree_with_tensor_parallelism(plan):
     fields = ["params", "grads", "optim", "grads_live", "gathered", "gradbuf", "activations", "host", "total"]
-    checked = 0
-    for preset, precision, ac, sharding, offload, (gpus, nodes), tp, accum in TP_GRID:
+    checked, split = 0, set()
+    for i, (preset, precision, ac, sharding, offload, (gpus, nodes), tp, accum) in enumerate(TP_GRID):
         seq, mbs = PRESETS[preset]["seq_len"], PRESETS[preset]["micro_batch_size"]
+        # Sequence parallelism (llama's plan) or not (transformers'), by the parity of the index's bits:
+        # each half of the grid still spans every other choice, and the grid takes no longer.
+        sp = bin(i).count("1") % 2 == 0
         q = json.loads(jinja("memory_plan", preset, seq, mbs, precision, ac, sharding, offload, gpus, nodes, accum,
-                             False, False, 0, "none", "full", tp))  # fmt: skip
+                             False, False, 0, "none", "full", tp, sp))  # fmt: skip
         r = plan.memory_plan(shape(plan, preset), seq_len=seq, micro_batch_size=mbs, precision=precision, ac=ac,
                              sharding=sharding, cpu_offload=offload, gpus_per_node=gpus, num_nodes=nodes,
-                             grad_accum=accum, tensor_parallel=tp)  # fmt: skip
+                             grad_accum=accum, tensor_parallel=tp, sequence_parallel=sp)  # fmt: skip
         for name in fields:
-            assert q[name] == pytest.approx(getattr(r, name), rel=1e-12), (preset, precision, ac, sharding, tp, name)
+            assert q[name] == pytest.approx(getattr(r, name), rel=1e-12), (preset, precision, ac, tp, sp, name)
+        split |= {(axis, value, sp) for axis, value in enumerate(TP_GRID[i])}
         qc = json.loads(jinja("communication", preset, sharding, precision, gpus, nodes, False, "none", "full", tp))
         rc = plan.communication_bytes(shape(plan, preset), sharding, precision, gpus, nodes, tensor_parallel=tp)
         assert qc == pytest.approx(rc, rel=1e-12), (preset, sharding, precision, gpus, nodes, tp)
@@ -350,26 +364,27 @@ def test_question_time_and_run_time_agree_with_tensor_parallelism(plan):
         assert qt == pytest.approx(plan.tensor_parallel_bytes(shape(plan, preset), precision, ac, tp, seq * mbs))
         checked += 1
     assert checked == len(TP_GRID) > 1000
+    assert {(axis, value) for axis, value, sp in split if sp} == {(axis, value) for axis, value, sp in split if not sp}
 
 
-def test_question_time_and_run_time_tensor_parallel_recommendations_agree(plan):
-    checked, picked = 0, set()
-    for preset, (gpus, nodes), memory, intra, inter in itertools.product(
-        ["1b", "8b", "70b"], [(4, 1), (8, 1), (8, 4)], [24, 80, 180], ["nvlink", "pcie"], ["infiniband", "ethernet"]
-    ):
+def tp_recommendations(plan, grid, model_type: str, **model_fields) -> set[int]:
+    """Check that question time and run time agree on each hardware of `grid`: the degrees, the pick and
+    every degree's estimate; return the degrees picked."""
+    picked = set()
+    for preset, (gpus, nodes), memory, intra, inter in grid:
         if nodes == 1 and inter == "ethernet":
             continue
         p = PRESETS[preset]
-        cfg = hardware_config(preset, "bf16", gpus, nodes, memory, intra, inter, "hopper")
-        degrees = jinja("tp_degrees", preset, p["seq_len"], gpus, "cuda", "llama")
+        cfg = hardware_config(preset, "bf16", gpus, nodes, memory, intra, inter, "hopper", **model_fields)
+        degrees = jinja("tp_degrees", preset, p["seq_len"], gpus, "cuda", model_type)
         assert degrees == ",".join(map(str, plan.tensor_parallel_degrees(cfg)))
         q = jinja("recommend_tp", preset, p["seq_len"], p["micro_batch_size"], "bf16", gpus, nodes, memory, intra,
-                  inter, "cuda", "hopper", "llama")  # fmt: skip
+                  inter, "cuda", "hopper", model_type)  # fmt: skip
         r = plan.recommend_tensor_parallel(cfg, p["micro_batch_size"])
         assert int(q) == r, (preset, gpus, nodes, memory, intra, inter)
         for t in plan.tensor_parallel_degrees(cfg):
             qe = json.loads(jinja("tp_estimate", preset, p["seq_len"], p["micro_batch_size"], "bf16", gpus, nodes,
-                                  memory, intra, inter, "cuda", "hopper", t))  # fmt: skip
+                                  memory, intra, inter, "cuda", "hopper", t, 0, model_type == "llama"))  # fmt: skip
             re_ = plan.estimate_tensor_parallel(cfg, t, p["micro_batch_size"])
             assert bool(qe) == (re_ is not None)
             if re_ is not None:
@@ -381,8 +396,28 @@ def test_question_time_and_run_time_tensor_parallel_recommendations_agree(plan):
                 )
                 assert qe["seconds_per_token"] == pytest.approx(re_.seconds_per_token, rel=1e-12)
         picked.add(r)
-        checked += 1
-    assert checked == 72 and picked == {1, 2, 4, 8}, picked  # the grid reaches every degree
+    return picked
+
+
+def test_question_time_and_run_time_tensor_parallel_recommendations_agree(plan):
+    grid = list(itertools.product(
+        ["1b", "8b", "70b"], [(4, 1), (8, 1), (8, 4)], [24, 80, 180], ["nvlink", "pcie"], ["infiniband", "ethernet"]
+    ))  # fmt: skip
+    assert len(grid) == 108 and tp_recommendations(plan, grid, "llama") == {1, 2, 4, 8}  # the grid reaches every degree
+
+
+def test_transformers_tensor_parallel_plans_are_planned_alike_at_question_and_run_time(plan):
+    # model.name=hf_causal_lm: transformers' plans keep the activations between the blocks whole (no sequence
+    # parallelism), so its estimates are its own; its degrees do not depend on the sequence length.
+    grid = itertools.product(["8b", "70b"], [(8, 1), (8, 4)], [80, 180], ["nvlink"], ["infiniband", "ethernet"])
+    assert tp_recommendations(plan, grid, "hf_causal_lm", name="hf_causal_lm") == {1, 2, 8}
+    # Whole activations cost memory. Llama 3.1 70B on 4 nodes of 8 x 80 GiB: the built-in model's pairs
+    # fit without CPU offload, so it plans them; transformers' pairs would need offload, so FSDP alone.
+    llama, hf = (hardware_config("70b", "bf16", 8, 4, 80, "nvlink", "infiniband", "hopper", name=name)
+                 for name in ("llama", "hf_causal_lm"))  # fmt: skip
+    ours, theirs = plan.estimate_tensor_parallel(llama, 2, 1), plan.estimate_tensor_parallel(hf, 2, 1)
+    assert (ours.cpu_offload, theirs.cpu_offload) == (False, True), (ours, theirs)
+    assert (plan.recommend_tensor_parallel(llama, 1), plan.recommend_tensor_parallel(hf, 1)) == (2, 1)
 
 
 def test_host_memory_of_70b_on_one_24_gib_gpu_by_hand(plan):

@@ -109,10 +109,15 @@ REFUSED = {
         "tensor_parallel",
         "answer 1, 2 or 4 (divides 125m's n_heads=12)",
     ),
+    "tensor_parallel_splits_transformers_heads": (
+        {"model_type": "hf_causal_lm", "model_size": "125m", "tensor_parallel": 8},
+        "tensor_parallel",
+        "answer 1, 2 or 4 (divides 125m's n_heads=12)",
+    ),
     "tensor_parallel_without_a_plan": (
         {"model_type": "vit", "model_size": "vit-base", "tensor_parallel": 2},
         "tensor_parallel",
-        "answer 1: only model_type llama has a TP plan",
+        "answer 1: vit has no tensor-parallel plan",
     ),
     "tensor_parallel_zero": ({"model_size": "8b", "tensor_parallel": 0}, "tensor_parallel", "must be at least 1"),
     "tensor_parallel_with_ddp": (
@@ -227,8 +232,10 @@ HARDWARE = [
     {"gpus_per_node": 1, "gpu_memory_gb": 24, "host_memory_gb": 64, "model_type": "llama"},
     {"accelerator": "cpu", "gpus_per_node": 4, "host_memory_gb": 8, "model_type": "llama"},
     {"gpus_per_node": 2, "gpu_memory_gb": 40, "model_type": "hf_causal_lm", "finetune": "lora"},
-    # Ethernet between nodes: the planner splits layers within each node (tensor_parallel > 1).
+    # Ethernet between nodes: the planner splits layers within each node (tensor_parallel > 1), in groups of
+    # 4 for llama, of 8 for transformers' plan, whose whole activations need more memory.
     {"num_nodes": 4, "inter_node_link": "ethernet", "gpu_memory_gb": 80, "model_type": "llama"},
+    {"num_nodes": 4, "inter_node_link": "ethernet", "gpu_memory_gb": 80, "model_type": "hf_causal_lm"},
 ]
 
 
@@ -239,5 +246,6 @@ def test_the_planners_defaults_are_always_allowed_and_fit(tmp_path, hardware):
     answers = answers_of(render(tmp_path / "p", hardware))
     assert misfit(answers) == "", answers
     assert {k: answers[k] for k in hardware} == hardware
-    if hardware.get("inter_node_link") == "ethernet" and hardware["model_type"] == "llama":
-        assert answers["tensor_parallel"] == 4 and answers["sharding"] != "no_shard", answers
+    if hardware.get("num_nodes") == 4:
+        expected = 4 if hardware["model_type"] == "llama" else 8
+        assert answers["tensor_parallel"] == expected and answers["sharding"] != "no_shard", answers

@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_map
 
-from .config import CheckpointConfig, Config, UsageError
+from .config import JOB_WIDE, CheckpointConfig, Config, UsageError
 from .strategy import Strategy
 
 logger = logging.getLogger(__name__)
@@ -313,7 +313,7 @@ class CheckpointManager:
             logger.warning(
                 "checkpoint %s was saved by %d ranks (tensor parallel %d), this run has %d (tensor parallel %d): "
                 "model, optimizer, schedule and global data position reshard; per-rank %s do not and are not restored",
-                path, *saved, self.world_size, self.tensor_parallel, per_rank,
+                path, *saved, self.world_size, self.tensor_parallel, per_rank, extra=JOB_WIDE,
             )  # fmt: skip
         check_finetune_matches(path, state.model)
         state.saved_keys = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)

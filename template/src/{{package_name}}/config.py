@@ -43,6 +43,12 @@ class UsageError(ValueError):
     """
 
 
+JOB_WIDE = {"job_wide": True}
+"""`logger.warning(..., extra=JOB_WIDE)`: a warning that every rank would give alike (about the config, the
+job or a shared file) is printed once per job, by rank 0 (metrics.init_logging). A warning about one
+rank's own state goes without it and comes from each rank that has it."""
+
+
 def reports_errors() -> bool:
     """Whether this process prints a refusal: local rank 0, so each node's log says why; other ranks exit quietly."""
     return os.environ.get("LOCAL_RANK", "0") == "0"
@@ -437,10 +443,11 @@ class Config:
             return []
         if degree < 1:
             return [f"parallel.tensor_parallel={degree} must be at least 1 (1: no tensor parallelism)"]
-        if spec.tp_plan is None:
+        plan = spec.tensor_parallel_plan(self.model)
+        if plan is None:
             return [f"parallel.tensor_parallel={degree} cannot split model.name={self.model.name}: {spec.tp_refusal}; "
                     "set parallel.tensor_parallel=1"]  # fmt: skip
-        errors = spec.tp_plan.check(self, degree)
+        errors = plan.check(self, degree)
         if p.sharding == "no_shard":
             errors.append(
                 f"parallel.tensor_parallel={degree} needs FSDP across the tensor-parallel groups: sharding=no_shard "

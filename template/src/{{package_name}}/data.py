@@ -36,7 +36,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .config import EXIT_USAGE, Config, UsageError
+from .config import EXIT_USAGE, JOB_WIDE, Config, UsageError
 
 logger = logging.getLogger(__name__)
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -403,7 +403,7 @@ def build_held_out(cfg: Config, rank: int, world_size: int, device: torch.device
     if hasattr(source, "__len__") and len(source) < wanted:
         logger.warning(
             "eval.batches=%d x train.global_batch_size=%d = %d samples, but the held-out data has %d: some count "
-            "more than once", e.batches, t.global_batch_size, wanted, len(source),
+            "more than once", e.batches, t.global_batch_size, wanted, len(source), extra=JOB_WIDE,
         )  # fmt: skip
     return HeldOut(Loader(source, cfg, rank, world_size, device, rank_sharded=False), e.batches, e.interval)
 

@@ -21,7 +21,8 @@ logger = logging.getLogger(__name__)
 
 
 def init_logging(rank: int) -> None:
-    """INFO from rank 0 only; warnings and errors from every rank, tagged with the rank."""
+    """INFO from rank 0 only; warnings and errors from every rank, tagged with the rank, except the
+    warnings every rank would give alike (extra=config.JOB_WIDE), which rank 0 alone prints."""
     logging.basicConfig(
         level=logging.INFO if rank == 0 else logging.WARNING,
         format=f"%(asctime)s [rank{rank}] %(levelname)s %(name)s: %(message)s",
@@ -29,6 +30,9 @@ def init_logging(rank: int) -> None:
         stream=sys.stderr,
         force=True,
     )
+    if rank != 0:
+        for handler in logging.getLogger().handlers:
+            handler.addFilter(lambda record: not getattr(record, "job_wide", False))
 
 
 def peak_tflops(device: torch.device, configured: float) -> float | None:

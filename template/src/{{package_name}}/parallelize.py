@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -105,28 +105,70 @@ def float8_eligible(module: nn.Module, fqn: str) -> bool:
     return isinstance(module, nn.Linear) and module.in_features % 16 == 0 and module.out_features % 16 == 0
 
 
-# The layouts a TensorParallelPlan names (models/spec.py), as torch's parallel styles. Shard(1) is
-# the sequence dimension of (batch, sequence, features) activations: sequence parallelism keeps
-# them split there between the blocks, and each split module all-gathers or reduce-scatters it.
-TP_STYLES: dict[str, Callable[[], ParallelStyle]] = {
-    "embedding": lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-    "sequence": SequenceParallel,
-    "gather": lambda: PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-    "colwise": ColwiseParallel,
-    "rowwise": lambda: RowwiseParallel(output_layouts=Shard(1)),
-    # Whole logits on every rank: the loss and validation read them as they are (no loss parallelism).
-    "head": lambda: ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
-}
+class Replicated(ParallelStyle):
+    """A module that every rank of the group runs whole, on whole activations (a norm without sequence
+    parallelism): its parameters become replicated DTensors, on the same mesh as the split ones."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh, self._replicate, self._whole_input, self._local_output)
+
+    @staticmethod
+    def _replicate(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        # from_local, as SequenceParallel does: there is nothing to broadcast on the meta device, and
+        # the weights arrive later, from rank 0 or a checkpoint.
+        for key, param in module.named_parameters(recurse=False):
+            replicated = DTensor.from_local(param, mesh, [Replicate()], run_check=False)
+            module.register_parameter(key, nn.Parameter(replicated, param.requires_grad))
+
+    @staticmethod
+    def _whole_input(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+        first = DTensor.from_local(inputs[0], mesh, [Replicate()], run_check=False)
+        return (first, *inputs[1:])
+
+    @staticmethod
+    def _local_output(module: nn.Module, output: DTensor, mesh: DeviceMesh) -> torch.Tensor:
+        return output.to_local()
+
+
+def tp_styles(sequence_parallel: bool) -> dict[str, Callable[[], ParallelStyle]]:
+    """The layouts a TensorParallelPlan names (models/spec.py), as torch's parallel styles.
+
+    Between the blocks, (batch, sequence, features) activations are split by sequence (Shard(1))
+    with sequence parallelism, which each split module all-gathers or reduce-scatters; without it
+    they are whole (Replicate()), and a row-wise split all-reduces its output.
+    """
+    between = Shard(1) if sequence_parallel else Replicate()
+    styles = {
+        "embedding": lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=between),
+        "colwise": ColwiseParallel,
+        "rowwise": lambda: RowwiseParallel(output_layouts=between),
+        # Whole logits on every rank: the loss and validation read them as they are (no loss parallelism).
+        "head": lambda: ColwiseParallel(input_layouts=between, output_layouts=Replicate()),
+    }
+    if not sequence_parallel:
+        return styles | {"replicate": Replicated}
+    return styles | {
+        "sequence": SequenceParallel,
+        "gather": lambda: PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+    }
 
 
 def apply_tp(model: nn.Module, mesh: DeviceMesh, plan: TensorParallelPlan) -> None:
     """Split the model's layers over the ranks of `mesh` (one tensor-parallel group) as its plan says."""
-    parallelize_module(model, mesh, {path: TP_STYLES[layout]() for path, layout in plan.root.items()})
+    styles = tp_styles(plan.sequence_parallel)
+    unknown = {layout for layout in (*plan.root.values(), *plan.block.values()) if layout not in styles}
+    if unknown:
+        mode = "with" if plan.sequence_parallel else "without"
+        raise ValueError(
+            f"the tensor-parallel plan names layout(s) {sorted(unknown)}, which {mode} sequence parallelism are not "
+            f"among {sorted(styles)} (models/spec.py TensorParallelPlan)"
+        )
+    parallelize_module(model, mesh, {path: styles[layout]() for path, layout in plan.root.items()})
     for block in model.layers:
-        parallelize_module(block, mesh, {path: TP_STYLES[layout]() for path, layout in plan.block.items()})
+        parallelize_module(block, mesh, {path: styles[layout]() for path, layout in plan.block.items()})
     # The embedding's output is DTensor.to_local()'s, a view; FSDP hooks its backward onto it, and
     # a compiled first block then drops that gradient (the embedding would never learn). A copy
-    # (one micro-batch's hidden states, split by sequence) is not a view.
+    # (one micro-batch's hidden states, or this rank's part of them) is not a view.
     if (embed := model.get_input_embeddings()) is not None:
         embed.register_forward_hook(lambda module, args, output: output.clone())
     # Splitting the embedding and the head gave each a parameter of its own: tie them again (both

@@ -39,14 +39,18 @@ dtype of p bytes and T = micro_batch_size * seq_len tokens, bytes per rank are:
                  and the head are split t ways within a node, and the shard group G counts
                  data-parallel ranks (groups of t): params, grads and optim are over G t (the
                  norms' few replicated weights are counted as split), gathered, gradbuf and
-                 FSDP's unsharded accumulation gradients over t. Sequence parallelism splits the
-                 activations between the blocks by sequence, so a becomes
+                 FSDP's unsharded accumulation gradients over t. Sequence parallelism (the
+                 built-in decoder's plan) splits the activations between the blocks by sequence, so
+                 a becomes
                    none       16h/t + p (2h + (3h + 2kv + 4f)/t)
                    selective  p (2h + (3h + 2kv + 2f)/t)
                    full       p h/t
                  where 2h stays whole: the all-gathered inputs of attention and the feed-forward,
                  which their first matmuls keep, and in selective the outputs of wo and w2 before
-                 their reduce-scatter. The logits stay whole on every rank (no loss parallelism).
+                 their reduce-scatter. Without it (transformers' plans, hf_causal_lm) the norms and
+                 the block input are whole too: none 16h + p (2h + (3h + 2kv + 4f)/t), selective
+                 p (3h + (2h + 2kv + 2f)/t), full p h. The logits stay whole on every rank (no
+                 loss parallelism).
 
 With LoRA (finetune.method=lora, models/lora.py) the P parameters are frozen and A adapter
 parameters train, Ab = A / L per block: r (in + out) for each adapted linear layer of rank r, so
@@ -108,7 +112,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from . import hardware
-from .config import Config, UsageError
+from .config import JOB_WIDE, Config, UsageError
 from .models import ModelShape, model_spec
 from .presets import EXPORT_FILE_GB, GPU_ARCHS, HEADROOM, HOST_MEMORY, LINK_GBPS, LORA, PEAK_TFLOPS
 
@@ -193,7 +197,7 @@ def memory_plan(
     s: ModelShape, *, seq_len: int, micro_batch_size: int, precision: str, ac: str, sharding: str,
     cpu_offload: bool, gpus_per_node: int, num_nodes: int, grad_accum: int = 1, sync_every_microbatch: bool = False,
     zero_optimizer: bool = False, prefetch_blocks: int = 0, float8: str = "none", lora_rank: int = 0,
-    lora_targets: str = LORA["targets"], tensor_parallel: int = 1,
+    lora_targets: str = LORA["targets"], tensor_parallel: int = 1, sequence_parallel: bool = True,
 ) -> MemoryPlan:  # fmt: skip
     """Bytes per rank of each term (see the module docstring); lora_rank 0 is full fine-tuning."""
     p, t = (4 if precision == "fp32" else 2), tensor_parallel
@@ -220,7 +224,8 @@ def memory_plan(
         gathered = (1 + max(prefetch_blocks, 1)) * block + s.Pn * p / t
     gradbuf = 0 if sharding == "no_shard" else trained_block * (p + 4) / t
     per_layer = functools.partial(activation_bytes_per_token, s, precision, lora_rank=lora_rank,
-                                  lora_targets=lora_targets, tensor_parallel=t)  # fmt: skip
+                                  lora_targets=lora_targets, tensor_parallel=t,
+                                  sequence_parallel=sequence_parallel)  # fmt: skip
     tokens = (s.tokens or seq_len) * micro_batch_size
     logits = (s.logits or seq_len) * micro_batch_size
     extra = per_layer("none") if ac == "full" else 0  # the one block being recomputed in backward
@@ -291,22 +296,23 @@ def adapter_params(s: ModelShape, lora_rank: int, lora_targets: str) -> int:
 
 def activation_bytes_per_token(
     s: ModelShape, precision: str, ac: str, lora_rank: int = 0, lora_targets: str = LORA["targets"],
-    tensor_parallel: int = 1,
+    tensor_parallel: int = 1, sequence_parallel: bool = True,
 ) -> float:  # fmt: skip
     """Bytes one block keeps for backward, per token (the `a` of the module docstring).
 
     LoRA and tensor parallelism are not combined (config.py refuses it), so each has its own formula.
     """
     p, t = (4 if precision == "fp32" else 2), tensor_parallel
+    q = t if sequence_parallel else 1  # what splits the norms and the block input: the sequence, or nothing
     if ac == "none" and lora_rank:
         frozen_inputs = {"all": 0, "attention": s.h + s.f, "mlp": s.h}[lora_targets]
         adapted = adapter_layers(lora_targets) * lora_rank
         return 8 * s.h + p * (5 * s.h + 2 * s.kv + 4 * s.f - frozen_inputs + adapted)
     if ac == "none":
-        return 16 * s.h / t + p * (2 * s.h + (3 * s.h + 2 * s.kv + 4 * s.f) / t)
+        return 16 * s.h / q + p * (2 * s.h + (3 * s.h + 2 * s.kv + 4 * s.f) / t)
     if ac == "selective":
-        return p * (2 * s.h + (3 * s.h + 2 * s.kv + 2 * s.f) / t)
-    return p * s.h / t
+        return p * (2 * s.h + s.h / q + (2 * s.h + 2 * s.kv + 2 * s.f) / t)
+    return p * s.h / q
 
 
 def sharding_candidates(num_nodes: int, inter_node_link: str, tensor_parallel: int = 1) -> tuple[str, ...]:
@@ -349,8 +355,16 @@ def plan_for(
         grad_accum=grad_accum(cfg), sync_every_microbatch=p.grad_sync_every_microbatch,
         zero_optimizer=p.zero_optimizer if zero_optimizer is None else zero_optimizer,
         prefetch_blocks=p.prefetch_blocks, float8=p.float8, **lora_of(cfg, finetune=finetune),
-        tensor_parallel=p.tensor_parallel,
+        tensor_parallel=p.tensor_parallel, sequence_parallel=sequence_parallel(cfg),
     )  # fmt: skip
+
+
+def sequence_parallel(cfg: Config) -> bool:
+    """Whether cfg's tensor parallelism splits the activations between the blocks by sequence (its model's plan)."""
+    if cfg.parallel.tensor_parallel == 1:
+        return True  # nothing is split: the formulas agree either way
+    plan = model_spec(cfg.model.name).tensor_parallel_plan(cfg.model)
+    return plan is None or plan.sequence_parallel
 
 
 def cheapest(cfg: Config) -> tuple[str, str, bool] | None:
@@ -423,8 +437,9 @@ def tensor_parallel_bytes(s: ModelShape, precision: str, ac: str, tensor_paralle
     and reduce-scatters after wo and w2: four collectives of the hidden states, which backward
     mirrors (eight; twelve when activation checkpointing runs the forward again). Around the
     blocks, the embedding's reduce-scatter and the head's all-gather and their backward move the
-    hidden states four times more, and the head all-gathers the logits. `tokens`: what one
-    tensor-parallel group processes per step.
+    hidden states four times more, and the head all-gathers the logits. Without sequence
+    parallelism one all-reduce (twice the bytes) takes the place of each all-gather and
+    reduce-scatter pair: the same traffic. `tokens`: what one tensor-parallel group processes per step.
     """
     p, t = (4 if precision == "fp32" else 2), tensor_parallel
     per_block = 8 if ac == "none" else 12
@@ -492,12 +507,12 @@ class TensorParallelEstimate:
 
 def tensor_parallel_degrees(cfg: Config) -> list[int]:
     """1, and the powers of two that divide the GPUs per node and split the model (its spec's tp_plan)."""
-    hw, spec = cfg.hardware, model_spec(cfg.model.name)
-    if hw.accelerator == "cpu" or spec.tp_plan is None:
+    hw, plan = cfg.hardware, model_spec(cfg.model.name).tensor_parallel_plan(cfg.model)
+    if hw.accelerator == "cpu" or plan is None:
         return [1]
     degrees, t = [1], 2
     while t <= hw.gpus_per_node:
-        if hw.gpus_per_node % t == 0 and not spec.tp_plan.check(cfg, t):
+        if hw.gpus_per_node % t == 0 and not plan.check(cfg, t):
             degrees.append(t)
         t *= 2
     return degrees
@@ -602,7 +617,7 @@ def check_plan(cfg: Config, world_size: int, device: torch.device, ranks_per_nod
     if problems and hw.enforce:
         raise UsageError(f"{message} (or set hardware.enforce = false to run anyway)")
     for problem in problems:
-        logger.warning("%s (hardware.enforce is off: continuing)", problem)
+        logger.warning("%s (hardware.enforce is off: continuing)", problem, extra=JOB_WIDE)
 
 
 def check_host_memory(cfg: Config, ranks_per_node: int, ram_gib: float | None = None) -> str:

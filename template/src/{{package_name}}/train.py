@@ -123,7 +123,8 @@ def build_model_meta(cfg: Config, env: DistEnv, *, init_weights: bool) -> nn.Mod
     if cfg.finetune.method == "lora":
         apply_frozen_dtype(model, DTYPES[p.mixed_precision])
     apply_float8(model.layers, p.float8, fsdp=strategy.shards_parameters)
-    strategy.apply_tensor_parallel(model, model_spec(cfg.model.name).tp_plan)  # before the wrappers rename the blocks
+    # Before the wrappers rename the blocks.
+    strategy.apply_tensor_parallel(model, model_spec(cfg.model.name).tensor_parallel_plan(cfg.model))
     apply_ac(model.layers, p.activation_checkpointing, adapter_rank=lora_rank(cfg.finetune))
     if p.compile:
         apply_compile(model.layers, p.compile_backend)
@@ -236,10 +237,7 @@ def train_step(model: nn.Module, optimizer, scheduler, micro_batches, ctx: StepC
         loss_sum += loss.detach()
     if ctx.scaler:
         ctx.scaler.unscale_(optimizer)
-    max_norm = ctx.max_grad_norm if ctx.max_grad_norm > 0 else math.inf
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)
-    # With sharded parameters the norm is a DTensor; full_tensor() makes .item() the global value.
-    grad_norm = (norm.full_tensor() if isinstance(norm, DTensor) else norm).item()
+    grad_norm = clip_gradients(model, ctx.max_grad_norm if ctx.max_grad_norm > 0 else math.inf)
     if not math.isfinite(grad_norm) and ctx.scaler is None:
         raise FloatingPointError(
             f"non-finite loss or gradient (grad norm {grad_norm}) at step {scheduler.last_epoch + 1}; refusing "
@@ -254,6 +252,17 @@ def train_step(model: nn.Module, optimizer, scheduler, micro_batches, ctx: StepC
     optimizer.zero_grad(set_to_none=True)
     scheduler.step()
     return StepResult(loss_sum, grad_norm, lr)
+
+
+def clip_gradients(model: nn.Module, max_norm: float) -> float:
+    """Scale the gradients down to a global norm of at most `max_norm`; return their norm before that.
+
+    With sharded parameters the norm is a DTensor, summed over the mesh dimensions that split the
+    gradients in one all-reduce (with tensor parallelism, over the "dp_shard_tp" group that
+    distributed.build_mesh flattens for it); full_tensor() then makes .item() the global value.
+    """
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)
+    return (norm.full_tensor() if isinstance(norm, DTensor) else norm).item()
 
 
 def checkpoint_load(ckpt: CheckpointManager, state: TrainState, path: Path | None) -> int:

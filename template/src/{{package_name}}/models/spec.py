@@ -176,15 +176,21 @@ class TensorParallelPlan:
     """How tensor parallelism (parallel.tensor_parallel) splits a model, Megatron-style.
 
     Module paths map to the names of layouts that parallelize.apply_tp turns into torch's
-    parallel styles (so model files need no torch.distributed). Between the blocks, activations
-    are split along the sequence (sequence parallelism):
+    parallel styles (so model files need no torch.distributed). With sequence parallelism the
+    activations between the blocks are split along the sequence; without it they are whole on
+    every rank of the group:
 
         embedding  an nn.Embedding split by vocabulary rows; its output leaves split by sequence
+                   (reduce-scattered), or whole (all-reduced)
+        colwise    an nn.Linear split by output features (its output keeps them split)
+        rowwise    an nn.Linear split by input features; its output is reduce-scattered by
+                   sequence, or all-reduced whole
+        head       the output nn.Linear split by vocabulary; its logits are all-gathered whole
+      with sequence parallelism only:
         sequence   a norm run on this rank's part of the sequence (its weight is replicated)
         gather     a module whose first input is all-gathered along the sequence before it runs
-        colwise    an nn.Linear split by output features (its output keeps them split)
-        rowwise    an nn.Linear split by input features; its output is reduce-scattered by sequence
-        head       the output nn.Linear split by vocabulary; its logits are all-gathered whole
+      without it only:
+        replicate  a module (a norm) that every rank runs whole on whole activations
 
     Every parameter must be covered (parallelize.apply_tp checks): parameters left whole would
     sit on another device mesh than the split ones, which gradient clipping cannot mix.
@@ -196,6 +202,10 @@ class TensorParallelPlan:
     """Modules inside every block of `layers`: path (from the block) -> layout."""
     check: Callable[[Config, int], list[str]]
     """Every reason the model cannot split `degree` ways (head counts and widths that do not divide)."""
+    sequence_parallel: bool = True
+    """Split the activations between the blocks by sequence (less activation memory, and norms run on
+    1/degree of the positions); False keeps them whole, for models that need every position in each
+    layer (transformers builds its attention mask from the length its layers see)."""
 
 
 def decoder_tp_errors(cfg: Config, degree: int) -> list[str]:
@@ -229,7 +239,12 @@ class ModelSpec:
     """The Hugging Face weight layout, for models transformers can load (None: export=hf refused)."""
     lora: LoraLayout | None = None
     """Where LoRA adapters go in a block (models/lora.py); None: finetune.method=lora is refused."""
-    tp_plan: TensorParallelPlan | None = None
-    """How tensor parallelism splits the model (None: parallel.tensor_parallel > 1 is refused, saying `tp_refusal`)."""
+    tp_plan: TensorParallelPlan | Callable[[ModelConfig], TensorParallelPlan] | None = None
+    """How tensor parallelism splits the model, or a function that makes the plan from the model's config
+    (None: parallel.tensor_parallel > 1 is refused, saying `tp_refusal`); read it with `tensor_parallel_plan`."""
     tp_refusal: str = "its module declares no tensor-parallel plan (SPEC.tp_plan, models/spec.py)"
     """Why the model has no tensor-parallel plan, for the refusal."""
+
+    def tensor_parallel_plan(self, cfg: ModelConfig) -> TensorParallelPlan | None:
+        """The tensor-parallel plan of the model `cfg` describes (None: the model has none)."""
+        return self.tp_plan(cfg) if callable(self.tp_plan) else self.tp_plan
