@@ -1,0 +1,301 @@
+"""Local text into a token file, streamed: what `python -m <package>.data prepare --dataset` runs (data.prepare).
+
+The inputs (find_inputs), several at once, each a file, a directory or a glob:
+  - a Hugging Face dataset directory (`save_to_disk`), read through `datasets.load_from_disk`;
+  - .parquet files, read a batch of rows at a time by pyarrow;
+  - .jsonl (or .json) files of JSON Lines: one object per line, the text under the text column;
+  - .txt files: one row per line that is not blank (as the `datasets` text loader reads them);
+  - a directory that is not a saved dataset: the files of those kinds in it.
+
+Rows go to worker processes in batches (at most BATCH_ROWS rows or BATCH_BYTES of text), up to two
+batches per process at a time. A worker tokenizes its batch in one call of the tokenizer, appends
+the end-of-text token to each row and sends the ids back, and they are appended to the output
+files in input order as they come: memory depends on the batch size and the number of processes,
+not on the size of the corpus. The outputs are written under temporary names and renamed into
+place once complete (Outputs).
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import json
+import multiprocessing
+import os
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from .config import UsageError
+
+BATCH_ROWS = 1024
+"""Rows per batch a worker tokenizes in one call."""
+BATCH_BYTES = 4 * 2**20
+"""A batch of JSON Lines or text rows ends once it holds this much text."""
+KINDS = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".txt": "text"}
+"""The files find_inputs reads, by suffix."""
+
+
+def load_tokenizer(path: Path):
+    """The tokenizer in a local directory (nothing is downloaded)."""
+    from transformers import AutoTokenizer
+
+    if not path.is_dir():
+        raise UsageError(f"--tokenizer {path}: no such directory (a local tokenizer, as save_pretrained writes it)")
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def token_dtype(tok) -> np.dtype:
+    """The smallest unsigned type that holds every id of the tokenizer (data.dtype)."""
+    return np.dtype(np.uint16 if len(tok) <= 2**16 else np.uint32)
+
+
+def default_processes() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+@dataclass(frozen=True)
+class Input:
+    path: Path
+    kind: str
+    """dataset, parquet, jsonl or text."""
+    rows: int
+
+
+def find_inputs(patterns: Sequence[str | Path], column: str) -> list[Input]:
+    """Every input the patterns name, in the order given (a glob's or a directory's files in name order), with its
+    rows counted; UsageError naming the pattern or file that cannot be read."""
+    inputs = []
+    for pattern in map(str, patterns):
+        if any(c in pattern for c in "*?["):
+            matches = sorted(Path(p) for p in glob.glob(pattern, recursive=True))
+            if not matches:
+                raise UsageError(f"--dataset {pattern}: matches no file")
+        elif not Path(pattern).exists():
+            raise UsageError(f"--dataset {pattern}: no such file or directory")
+        else:
+            matches = [Path(pattern)]
+        for path in matches:
+            inputs += _inputs_at(path, column)
+    if not sum(i.rows for i in inputs):
+        raise UsageError(f"--dataset {' '.join(map(str, patterns))}: no rows of text")
+    return inputs
+
+
+def _inputs_at(path: Path, column: str) -> list[Input]:
+    if (path / "dataset_dict.json").is_file():
+        splits = json.loads((path / "dataset_dict.json").read_text())["splits"]
+        raise UsageError(f"--dataset {path} holds the splits {splits}: name one, e.g. {path / splits[0]}")
+    if (path / "state.json").is_file():
+        from datasets import load_from_disk
+
+        data = load_from_disk(str(path))
+        _check_column(path, column, data.column_names)
+        return [Input(path, "dataset", len(data))]
+    if path.is_dir():
+        files = sorted(f for f in path.iterdir() if f.suffix in KINDS and f.is_file())
+        if not files:
+            raise UsageError(f"--dataset {path}: a directory with no {', '.join(KINDS)} files and no saved dataset")
+        return [i for f in files for i in _inputs_at(f, column)]
+    kind = KINDS.get(path.suffix)
+    if kind is None:
+        raise UsageError(f"--dataset {path}: not a {', '.join(KINDS)} file or a dataset directory (save_to_disk)")
+    if kind == "parquet":
+        import pyarrow.parquet as pq
+
+        metadata = pq.ParquetFile(path).metadata
+        _check_column(path, column, metadata.schema.names)
+        return [Input(path, kind, metadata.num_rows)]
+    with path.open("rb") as lines:
+        return [Input(path, kind, sum(1 for line in lines if not line.isspace()))]
+
+
+def _check_column(path: Path, column: str, columns: list[str]) -> None:
+    if column not in columns:
+        raise UsageError(f"--dataset {path} has no column {column!r} (its columns: {columns}): pass --text-column")
+
+
+# A batch of rows: (kind, file, index of its first row in the corpus, rows, their line or row numbers in the file).
+Task = tuple[str, str, int, list, list[int]]
+
+
+def _tasks(inputs: list[Input], column: str) -> Iterator[Task]:
+    """The corpus's rows in batches, in input order."""
+    first = 0
+    for source in inputs:
+        for rows, numbers in _batches(source, column):
+            yield source.kind, str(source.path), first, rows, numbers
+            first += len(rows)
+
+
+def _batches(source: Input, column: str) -> Iterator[tuple[list, list[int]]]:
+    if source.kind == "dataset":
+        from datasets import load_from_disk
+
+        data = load_from_disk(str(source.path)).select_columns([column])
+        for start, batch in zip(range(0, source.rows, BATCH_ROWS), data.iter(BATCH_ROWS), strict=True):
+            yield batch[column], list(range(start + 1, start + len(batch[column]) + 1))
+    elif source.kind == "parquet":
+        import pyarrow.parquet as pq
+
+        start = 0
+        for batch in pq.ParquetFile(source.path).iter_batches(batch_size=BATCH_ROWS, columns=[column]):
+            yield batch.column(0).to_pylist(), list(range(start + 1, start + batch.num_rows + 1))
+            start += batch.num_rows
+    else:  # JSON Lines and text: the workers parse the lines
+        rows, numbers, size = [], [], 0
+        with source.path.open("rb") as lines:
+            for number, line in enumerate(lines, 1):
+                if line.isspace():
+                    continue
+                rows.append(line)
+                numbers.append(number)
+                size += len(line)
+                if len(rows) == BATCH_ROWS or size >= BATCH_BYTES:
+                    yield rows, numbers
+                    rows, numbers, size = [], [], 0
+        if rows:
+            yield rows, numbers
+
+
+class _Worker:
+    """What each worker process holds: the tokenizer and how to turn a batch into token ids."""
+
+    current: _Worker | None = None
+
+    def __init__(self, tokenizer: Path, column: str, held_out: Callable, one_thread: bool):
+        if one_thread:  # one tokenizer thread per process: the processes are the parallelism
+            os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        self.tok, self.column, self.held_out = load_tokenizer(tokenizer), column, held_out
+        self.dtype = token_dtype(self.tok)
+        self.eos = [self.tok.eos_token_id] if self.tok.eos_token_id is not None else []
+
+
+def _start_worker(*args) -> None:
+    _Worker.current = _Worker(*args)
+
+
+def _encode(task: Task) -> tuple[np.ndarray, np.ndarray, int]:
+    """A batch's token ids, each row followed by end-of-text: those of the rows trained on, those held out, and
+    the batch's row count."""
+    w, (kind, where, first, rows, numbers) = _Worker.current, task
+    texts = _texts(kind, where, rows, numbers, w.column)
+    ids = w.tok(texts, return_attention_mask=False, return_token_type_ids=False)["input_ids"]
+    held = w.held_out(np.arange(first, first + len(texts)))
+
+    def flat(keep: np.ndarray) -> np.ndarray:
+        chosen = [ids[i] + w.eos for i in np.flatnonzero(keep)]
+        return np.fromiter((t for row in chosen for t in row), w.dtype, count=sum(map(len, chosen)))
+
+    return flat(~held), flat(held), len(texts)
+
+
+def _texts(kind: str, where: str, rows: list, numbers: list[int], column: str) -> list[str]:
+    """The text of every row of a batch; UsageError naming the file and line (or row) of the first that has none."""
+    texts = []
+    for row, number in zip(rows, numbers, strict=True):
+        if kind == "jsonl":
+            try:
+                row = json.loads(row)
+            except (json.JSONDecodeError, UnicodeDecodeError) as error:
+                raise UsageError(f"{where}:{number}: not a line of JSON ({error})") from None
+            row = row.get(column) if isinstance(row, dict) else None
+        elif kind == "text":
+            try:
+                row = row.decode("utf-8").rstrip("\r\n")
+            except UnicodeDecodeError:
+                raise UsageError(f"{where}:{number}: not UTF-8 text") from None
+        if not isinstance(row, str):
+            at = f"{where}:{number}" if kind == "jsonl" else f"{where}: row {number}"
+            raise UsageError(f"{at}: no text under {column!r} (--text-column names the column that holds it)")
+        texts.append(row)
+    return texts
+
+
+def _encoded(tasks: Iterator[Task], setup: tuple, processes: int) -> Iterator[tuple[np.ndarray, np.ndarray, int]]:
+    """_encode of every task, in order: in this process, or in `processes` workers, two tasks ahead for each."""
+    if processes <= 1:
+        _start_worker(*setup)
+        yield from map(_encode, tasks)
+        return
+    # fork: the workers start at once, with this module loaded (spawn where there is no fork)
+    context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
+    with context.Pool(processes, _start_worker, setup) as pool:
+        pending: collections.deque = collections.deque()
+        for task in tasks:
+            pending.append(pool.apply_async(_encode, (task,)))
+            if len(pending) >= 2 * processes:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+
+
+def tokenize_corpus(
+    inputs: list[Input], tokenizer: Path, column: str, outputs: Outputs, train: Path, val: Path | None,
+    held_out: Callable[[np.ndarray], np.ndarray], processes: int,
+) -> dict[Path, int]:  # fmt: skip
+    """Append the token ids of every row of `inputs` to `train`, or to `val` for the rows `held_out` picks (by
+    their index in the corpus); return the token count of each. Shows a progress bar with tokens/s."""
+    setup = (tokenizer, column, held_out, processes > 1)
+    counts, started = {train: 0, val: 0}, time.perf_counter()
+    with tqdm(total=sum(i.rows for i in inputs), unit="row", unit_scale=True, desc="tokenizing", mininterval=1) as bar:
+        for trained, held, rows in _encoded(_tasks(inputs, column), setup, processes):
+            for path, ids in ((train, trained), (val, held)):
+                if len(ids):
+                    outputs.write(path, ids)
+                    counts[path] += len(ids)
+            bar.update(rows)
+            tokens_per_s = (counts[train] + counts[val]) / (time.perf_counter() - started)
+            bar.set_postfix_str(f"{tokens_per_s:,.0f} tok/s", refresh=False)
+    counts.pop(None, None)
+    return counts
+
+
+class Outputs:
+    """Files written under temporary names (`<name>.partial`) and renamed into place together by commit().
+
+    A prepare that stops before commit (a bad row, Ctrl-C, a kill) leaves every file it would have
+    replaced as it was, and nothing under their names: training never reads a half-written file.
+    Leaving the `with` block on an error removes the temporary files (and the directory it
+    created); after a kill, rerunning the command writes them again from the start.
+    """
+
+    def __init__(self, paths: Sequence[Path]):
+        self.paths = list(paths)
+        parent = self.paths[0].parent
+        self.created = parent if not parent.exists() else None
+        parent.mkdir(parents=True, exist_ok=True)
+        self.files = {path: _partial(path).open("wb") for path in self.paths}
+
+    def write(self, path: Path, ids: np.ndarray) -> None:
+        ids.tofile(self.files[path])
+
+    def commit(self) -> None:
+        """Make every file durable, then rename each into place."""
+        for file in self.files.values():
+            file.flush()
+            os.fsync(file.fileno())
+            file.close()
+        for path in self.paths:
+            os.replace(_partial(path), path)
+
+    def __enter__(self) -> Outputs:
+        return self
+
+    def __exit__(self, error_type, error, traceback) -> None:
+        if error_type is None:
+            return
+        for path, file in self.files.items():
+            file.close()
+            _partial(path).unlink(missing_ok=True)
+        if self.created is not None and not any(self.created.iterdir()):
+            self.created.rmdir()
+
+
+def _partial(path: Path) -> Path:
+    return path.with_name(path.name + ".partial")
