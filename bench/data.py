@@ -1,0 +1,199 @@
+"""Data-path benchmarks of a rendered CPU project, each a ratio measured side by side in this one run.
+
+    python bench/data.py            # about 3 minutes on 2 cores; prints a Markdown table
+    python bench/data.py --quick    # smaller corpora and runs (well under a minute): every row, noisier
+
+1. Reading a sample: the time per window of one global batch (64 windows of 2,048 + 1 tokens, the
+   render's own data.py) from uint16 token files of 10 M, 100 M and 1 B tokens (sparse files), as a
+   ratio to 10 M; and one rank's read of a step at world size 8 over world size 1.
+2. `data prepare`: tokens/s against `datasets.map(batched=True)` with the same tokenizer (a byte-level
+   BPE trained here) and process count, on the same JSON Lines corpus; and the peak resident memory
+   of a prepare of a corpus 4x larger over that of the smaller one.
+3. Data wait as a share of the step: the debug model on 2 ranks reading a token file, with the
+   batches built ahead (data.prefetch = 2, the default) and without (data.prefetch = 0).
+
+Timings vary with the machine; the ratios are what the README records.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from cpu import env_for, render
+
+SEQ_LEN, GLOBAL_BATCH = 2048, 64
+CORPUS_TOKENS = {"10 M": 10**7, "100 M": 10**8, "1 B": 10**9}
+
+
+def read_seconds_per_window(project: Path, tmp: Path, steps: int) -> tuple[dict[str, float], float]:
+    """Seconds per window of a global batch read from each sparse token file; and rank 0's read of a step at
+    world size 8 over world size 1 (1 B tokens)."""
+    sys.path.insert(0, str(project / "src"))
+    from bench_pkg.data import MemmapTokens, Steps
+
+    per_window, last = {}, None
+    for name, tokens in CORPUS_TOKENS.items():
+        path = tmp / f"tokens_{tokens}.bin"
+        with path.open("wb") as f:
+            f.truncate(2 * tokens)  # uint16 zeros, no disk used
+        source = MemmapTokens(path, "uint16", SEQ_LEN, seed=0)
+        last = source
+        read = Steps(source, rank=0, per_rank=GLOBAL_BATCH, global_batch_size=GLOBAL_BATCH, rank_sharded=False)
+        read[0]
+        started = time.perf_counter()
+        for step in range(1, steps + 1):
+            read[step]
+        per_window[name] = (time.perf_counter() - started) / (steps * GLOBAL_BATCH)
+    ranks = {}
+    for world in (1, 8):
+        read = Steps(last, rank=0, per_rank=GLOBAL_BATCH // world, global_batch_size=GLOBAL_BATCH, rank_sharded=False)
+        started = time.perf_counter()
+        for step in range(steps + 1, 2 * steps + 1):
+            read[step]
+        ranks[world] = time.perf_counter() - started
+    return per_window, ranks[8] / ranks[1]
+
+
+def write_corpus(path: Path, rows: int, seed: int) -> None:
+    """JSON Lines of text: words drawn from a Zipf-like vocabulary of 5,000 made-up words, 5 to 60 a row."""
+    rng = np.random.default_rng(seed)
+    letters = np.array(list("etaoinshrdlcumwfgypbvkjxqz"))
+    vocabulary = ["".join(rng.choice(letters, size=rng.integers(2, 10))) for _ in range(5000)]
+    weights = 1 / np.arange(1, 5001)
+    lengths = rng.integers(5, 60, size=rows)
+    words = np.split(rng.choice(5000, size=lengths.sum(), p=weights / weights.sum()), np.cumsum(lengths)[:-1])
+    with path.open("w") as f:
+        for row in words:
+            f.write(json.dumps({"text": " ".join(vocabulary[w] for w in row)}) + "\n")
+
+
+def train_tokenizer(corpus: Path, out: Path) -> None:
+    """A byte-level BPE of 4,096 tokens, trained on the corpus's first 5,000 rows (nothing is downloaded)."""
+    import tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    rows = [json.loads(line)["text"] for _, line in zip(range(5000), corpus.open(), strict=False)]
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    tok.train_from_iterator(rows, tokenizers.trainers.BpeTrainer(vocab_size=4096, special_tokens=["</s>"]))
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>").save_pretrained(out)
+
+
+PEAK_MEMORY = """
+import resource, subprocess, sys, time
+started = time.perf_counter()
+subprocess.run(sys.argv[1:], check=True, capture_output=True)
+print(time.perf_counter() - started, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)
+"""
+
+
+def prepare_run(project: Path, corpus: Path, tokenizer: Path, out: Path, processes: int) -> tuple[float, int, int]:
+    """Seconds, tokens written and peak resident bytes (the largest of its processes) of one `data prepare`."""
+    cmd = [sys.executable, "-m", "bench_pkg.data", "prepare", "--dataset", str(corpus), "--tokenizer", str(tokenizer),
+           "--out", str(out), "--val-fraction", "0", "--processes", str(processes)]  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", PEAK_MEMORY, *cmd], cwd=project, env=env_for(project),
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    seconds, peak = done.stdout.split()
+    return float(seconds), out.stat().st_size // 2, int(peak)
+
+
+DATASETS_MAP = """
+import sys, time
+from datasets import load_dataset
+from transformers import AutoTokenizer
+
+corpus, tokenizer, processes = sys.argv[1], sys.argv[2], int(sys.argv[3])
+rows = load_dataset("json", data_files=corpus, split="train")  # converted to Arrow before the clock starts
+tok = AutoTokenizer.from_pretrained(tokenizer)
+eos = [tok.eos_token_id]
+
+def encode(batch):
+    return {"ids": [ids + eos for ids in tok(batch["text"], return_attention_mask=False)["input_ids"]]}
+
+started = time.perf_counter()
+encoded = rows.map(encode, batched=True, num_proc=processes if processes > 1 else None, remove_columns=["text"])
+print(time.perf_counter() - started, sum(len(ids) for ids in encoded["ids"]))
+"""
+
+
+def datasets_map_run(project: Path, corpus: Path, tokenizer: Path, processes: int) -> tuple[float, int]:
+    env = {**env_for(project), "HF_DATASETS_CACHE": str(corpus.parent / "hf_cache")}
+    if processes > 1:
+        env["TOKENIZERS_PARALLELISM"] = "false"  # one thread per process, as data prepare's workers
+    done = subprocess.run([sys.executable, "-c", DATASETS_MAP, str(corpus), str(tokenizer), str(processes)],
+                          cwd=project, env=env, capture_output=True, text=True, check=True)  # fmt: skip
+    seconds, tokens = done.stdout.split()
+    return float(seconds), int(tokens)
+
+
+def data_wait_share(project: Path, tmp: Path, steps: int, prefetch: int) -> float:
+    """Median share of the step the loop waited for its batch: the debug model on 2 ranks, a token file."""
+    tokens = tmp / "debug_tokens.bin"
+    if not tokens.exists():
+        np.random.default_rng(0).integers(256, size=10**6).astype(np.uint16).tofile(tokens)
+    run = tmp / f"wait_prefetch{prefetch}"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "bench_pkg.train",
+           "--config", str(project / "configs" / "debug.toml"), "--device", "cpu", "--run_dir", str(run),
+           "--metrics.progress_bar", "False", "--data.source", "memmap", "--data.path", str(tokens),
+           "--data.prefetch", str(prefetch), "--train.steps", str(steps), "--eval.interval", "0",
+           "--checkpoint.interval", "100000", "--checkpoint.export", "none", "--metrics.backend", "none"]  # fmt: skip
+    done = subprocess.run(cmd, cwd=project, env=env_for(project), capture_output=True, text=True)
+    if done.returncode:
+        sys.exit(f"training failed ({' '.join(cmd)}):\n{done.stderr[-4000:]}")
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return statistics.median(r["data_wait_s"] / r["step_time_s"] for r in records[3:])  # after warm-up
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smaller corpora and runs: every row, noisier figures")
+    quick = parser.parse_args().quick
+    processes = 2
+    rows = 20_000 if quick else 200_000
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        project = tmp / "cpu"
+        render(project, {"accelerator": "cpu", "model_size": "debug", "package_name": "bench_pkg"})
+        per_window, rank_share = read_seconds_per_window(project, tmp, steps=20 if quick else 200)
+        small, large = tmp / "small.jsonl", tmp / "large.jsonl"
+        write_corpus(small, rows // 4, seed=0)
+        write_corpus(large, rows, seed=1)
+        train_tokenizer(large, tmp / "tokenizer")
+        _, _, small_peak = prepare_run(project, small, tmp / "tokenizer", tmp / "small.bin", processes)
+        ours_s, tokens, large_peak = prepare_run(project, large, tmp / "tokenizer", tmp / "large.bin", processes)
+        map_s, map_tokens = datasets_map_run(project, large, tmp / "tokenizer", processes)
+        assert map_tokens == tokens, (map_tokens, tokens)  # the same ids, counted both ways
+        wait_on = data_wait_share(project, tmp, 12 if quick else 40, prefetch=2)
+        wait_off = data_wait_share(project, tmp, 12 if quick else 40, prefetch=0)
+    us = {name: seconds * 1e6 for name, seconds in per_window.items()}
+    rows_out = [
+        ("time per window read, 100 M-token file / 10 M", f"{us['100 M'] / us['10 M']:.2f}",
+         f"{us['100 M']:.1f} us / {us['10 M']:.1f} us", "about 1"),
+        ("time per window read, 1 B-token file / 10 M", f"{us['1 B'] / us['10 M']:.2f}",
+         f"{us['1 B']:.1f} us / {us['10 M']:.1f} us", "<= 1.2"),
+        ("one rank's read of a step, world size 8 / world size 1", f"{rank_share:.3f}", "", "about 0.125"),
+        (f"data prepare tokens/s / datasets.map(batched=True), {processes} processes", f"{map_s / ours_s:.2f}",
+         f"{tokens / ours_s:,.0f} / {tokens / map_s:,.0f} tokens/s", ">= 1"),
+        ("data prepare peak resident memory, 4x the corpus / 1x", f"{large_peak / small_peak:.3f}",
+         f"{large_peak / 2**20:.0f} MiB / {small_peak / 2**20:.0f} MiB", "<= 1.1"),
+        ("data wait share of the step, debug model at world size 2: prefetch on / off",
+         f"{wait_on / wait_off:.2f}" if wait_off else "n/a", f"{100 * wait_on:.2f}% / {100 * wait_off:.2f}%", "< 1"),
+    ]  # fmt: skip
+    print(f"corpus: {tokens:,} tokens in {rows:,} rows (and {rows // 4:,}); {os.cpu_count()} cores")
+    print("| measurement | ratio | raw | goal |\n| --- | ---: | ---: | --- |")
+    for row in rows_out:
+        print("| " + " | ".join(row) + " |")
+
+
+if __name__ == "__main__":
+    main()
