@@ -89,22 +89,28 @@ def train_tokenizer(corpus: Path, out: Path) -> None:
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>").save_pretrained(out)
 
 
-PEAK_MEMORY = """
-import resource, subprocess, sys, time
+PREPARE = """
+import resource, sys, time
+from pathlib import Path
+from bench_pkg.data import prepare
+
+corpus, tokenizer, out, processes = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4])
 started = time.perf_counter()
-subprocess.run(sys.argv[1:], check=True, capture_output=True)
-print(time.perf_counter() - started, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)
+tokens = prepare(corpus, tokenizer, out, val_fraction=0, processes=processes)
+seconds = time.perf_counter() - started
+# The largest resident set of this process and its workers (reaped: they count among its children).
+peak = max(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+print(seconds, tokens, peak * 1024)
 """
 
 
 def prepare_run(project: Path, corpus: Path, tokenizer: Path, out: Path, processes: int) -> tuple[float, int, int]:
-    """Seconds, tokens written and peak resident bytes (the largest of its processes) of one `data prepare`."""
-    cmd = [sys.executable, "-m", "bench_pkg.data", "prepare", "--dataset", str(corpus), "--tokenizer", str(tokenizer),
-           "--out", str(out), "--val-fraction", "0", "--processes", str(processes)]  # fmt: skip
-    done = subprocess.run([sys.executable, "-c", PEAK_MEMORY, *cmd], cwd=project, env=env_for(project),
-                          capture_output=True, text=True, check=True)  # fmt: skip
-    seconds, peak = done.stdout.split()
-    return float(seconds), out.stat().st_size // 2, int(peak)
+    """Seconds, tokens written and peak resident bytes (the largest of its processes) of one `data prepare`,
+    from the JSON Lines file to the token file (the interpreter's start and imports not timed)."""
+    done = subprocess.run([sys.executable, "-c", PREPARE, str(corpus), str(tokenizer), str(out), str(processes)],
+                          cwd=project, env=env_for(project), capture_output=True, text=True, check=True)  # fmt: skip
+    seconds, tokens, peak = done.stdout.split()[-3:]
+    return float(seconds), int(tokens), int(peak)
 
 
 DATASETS_MAP = """
@@ -113,7 +119,6 @@ from datasets import load_dataset
 from transformers import AutoTokenizer
 
 corpus, tokenizer, processes = sys.argv[1], sys.argv[2], int(sys.argv[3])
-rows = load_dataset("json", data_files=corpus, split="train")  # converted to Arrow before the clock starts
 tok = AutoTokenizer.from_pretrained(tokenizer)
 eos = [tok.eos_token_id]
 
@@ -121,18 +126,22 @@ def encode(batch):
     return {"ids": [ids + eos for ids in tok(batch["text"], return_attention_mask=False)["input_ids"]]}
 
 started = time.perf_counter()
+rows = load_dataset("json", data_files=corpus, split="train")  # JSON Lines into Arrow: map needs it
 encoded = rows.map(encode, batched=True, num_proc=processes if processes > 1 else None, remove_columns=["text"])
-print(time.perf_counter() - started, sum(len(ids) for ids in encoded["ids"]))
+seconds = time.perf_counter() - started
+print(seconds, sum(len(ids) for ids in encoded["ids"]))
 """
 
 
 def datasets_map_run(project: Path, corpus: Path, tokenizer: Path, processes: int) -> tuple[float, int]:
-    env = {**env_for(project), "HF_DATASETS_CACHE": str(corpus.parent / "hf_cache")}
+    """Seconds and tokens of the same corpus through load_dataset("json") and datasets.map(batched=True), whose
+    Arrow cache holds the ids (not yet one token file)."""
+    env = {**env_for(project), "HF_DATASETS_CACHE": str(corpus.parent / "hf_cache")}  # a fresh cache: no reuse
     if processes > 1:
         env["TOKENIZERS_PARALLELISM"] = "false"  # one thread per process, as data prepare's workers
     done = subprocess.run([sys.executable, "-c", DATASETS_MAP, str(corpus), str(tokenizer), str(processes)],
                           cwd=project, env=env, capture_output=True, text=True, check=True)  # fmt: skip
-    seconds, tokens = done.stdout.split()
+    seconds, tokens = done.stdout.split()[-2:]
     return float(seconds), int(tokens)
 
 
@@ -160,28 +169,39 @@ def main() -> None:
     quick = parser.parse_args().quick
     processes = 2
     rows = 20_000 if quick else 200_000
+    started = time.perf_counter()
+
+    def done(what: str) -> None:
+        print(f"{time.perf_counter() - started:6.1f} s  {what}", file=sys.stderr, flush=True)
+
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         project = tmp / "cpu"
         render(project, {"accelerator": "cpu", "model_size": "debug", "package_name": "bench_pkg"})
+        done("rendered")
         per_window, rank_share = read_seconds_per_window(project, tmp, steps=20 if quick else 200)
+        done("read windows")
         small, large = tmp / "small.jsonl", tmp / "large.jsonl"
         write_corpus(small, rows // 4, seed=0)
         write_corpus(large, rows, seed=1)
         train_tokenizer(large, tmp / "tokenizer")
+        done("corpus and tokenizer")
         _, _, small_peak = prepare_run(project, small, tmp / "tokenizer", tmp / "small.bin", processes)
         ours_s, tokens, large_peak = prepare_run(project, large, tmp / "tokenizer", tmp / "large.bin", processes)
+        done("data prepare")
         map_s, map_tokens = datasets_map_run(project, large, tmp / "tokenizer", processes)
         assert map_tokens == tokens, (map_tokens, tokens)  # the same ids, counted both ways
+        done("datasets.map")
         wait_on = data_wait_share(project, tmp, 12 if quick else 40, prefetch=2)
         wait_off = data_wait_share(project, tmp, 12 if quick else 40, prefetch=0)
+        done("data wait")
     us = {name: seconds * 1e6 for name, seconds in per_window.items()}
     rows_out = [
         ("time per window read, 100 M-token file / 10 M", f"{us['100 M'] / us['10 M']:.2f}",
          f"{us['100 M']:.1f} us / {us['10 M']:.1f} us", "about 1"),
         ("time per window read, 1 B-token file / 10 M", f"{us['1 B'] / us['10 M']:.2f}",
          f"{us['1 B']:.1f} us / {us['10 M']:.1f} us", "<= 1.2"),
-        ("one rank's read of a step, world size 8 / world size 1", f"{rank_share:.3f}", "", "about 0.125"),
+        ("one rank's read of a step, world size 8 / world size 1", f"{rank_share:.3f}", "", "about 1/8"),
         (f"data prepare tokens/s / datasets.map(batched=True), {processes} processes", f"{map_s / ours_s:.2f}",
          f"{tokens / ours_s:,.0f} / {tokens / map_s:,.0f} tokens/s", ">= 1"),
         ("data prepare peak resident memory, 4x the corpus / 1x", f"{large_peak / small_peak:.3f}",

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import glob
+import itertools
 import json
 import multiprocessing
 import os
@@ -190,7 +191,7 @@ def _encode(task: Task) -> tuple[np.ndarray, np.ndarray, int]:
 
     def flat(keep: np.ndarray) -> np.ndarray:
         chosen = [ids[i] + w.eos for i in np.flatnonzero(keep)]
-        return np.fromiter((t for row in chosen for t in row), w.dtype, count=sum(map(len, chosen)))
+        return np.fromiter(itertools.chain.from_iterable(chosen), w.dtype, count=sum(map(len, chosen)))
 
     return flat(~held), flat(held), len(texts)
 

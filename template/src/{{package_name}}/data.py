@@ -39,6 +39,7 @@ import itertools
 import json
 import logging
 import math
+import mmap
 import os
 import queue
 import sys
@@ -185,10 +186,27 @@ class IndexedSource:
         """Global batch `index` of `size` samples (every rank's share of it)."""
         return self.take(index * size, size, shuffle)
 
+    mapped: tuple[str, ...] = ()
+    """Attributes that hold a file's memory map (map_file), opened on first use."""
+
     def __getstate__(self) -> dict:
-        # A DataLoader worker started by spawn (macOS, Windows) gets a copy of the source: reopen the
-        # memory maps there rather than pickle the file's contents.
-        return {k: None if isinstance(v, np.memmap) else v for k, v in self.__dict__.items()}
+        # A DataLoader worker started by spawn (macOS, Windows) gets a copy of the source: it maps the
+        # files again there rather than receive their contents.
+        return {k: None if k in self.mapped else v for k, v in self.__dict__.items()}
+
+
+def map_file(path: Path, dtype, bounds: tuple[int, int]) -> np.ndarray:
+    """Items bounds[0] .. bounds[1] - 1 of a file of `dtype` items, memory-mapped read-only.
+
+    Windows are read at random places: MADV_RANDOM tells the kernel not to read ahead of each one
+    (by default it reads 128 KiB or more around every page fault, which is most of the I/O of a
+    file much larger than memory).
+    """
+    with path.open("rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    if hasattr(mapped, "madvise"):  # not on Windows
+        mapped.madvise(mmap.MADV_RANDOM)
+    return np.frombuffer(mapped, dtype=dtype)[slice(*bounds)]
 
 
 class SyntheticTokens:
@@ -238,11 +256,13 @@ class MemmapTokens(IndexedSource):
             raise UsageError(f"{what} holds {end - begin} tokens, fewer than one sequence of {seq_len + 1}")
         self.order = Shuffle(self.windows, seed)
 
+    mapped = ("_tokens",)
+
     @property
     def tokens(self) -> np.ndarray:
         """The tokens this source reads from (its part of the file)."""
         if self._tokens is None:
-            self._tokens = np.memmap(self.path, dtype=self.dtype, mode="r")[slice(*self.bounds)]
+            self._tokens = map_file(self.path, self.dtype, self.bounds)
         return self._tokens
 
     def __len__(self) -> int:
@@ -284,11 +304,13 @@ class MaskedTokens(MemmapTokens):
         check_mask(path, dtype)
         self._mask = None
 
+    mapped = ("_tokens", "_mask")
+
     @property
     def mask(self) -> np.ndarray:
         """1 where the token at the same place of self.tokens is scored."""
         if self._mask is None:
-            self._mask = np.memmap(mask_path(self.path), dtype=np.uint8, mode="r")[slice(*self.bounds)]
+            self._mask = map_file(mask_path(self.path), np.uint8, self.bounds)
         return self._mask
 
     def take(self, first: int, count: int, shuffle: bool = True) -> Batch:
