@@ -198,24 +198,44 @@ def _encode(task: Task) -> tuple[np.ndarray, np.ndarray, int]:
 
 def _texts(kind: str, where: str, rows: list, numbers: list[int], column: str) -> list[str]:
     """The text of every row of a batch; UsageError naming the file and line (or row) of the first that has none."""
-    texts = []
+    if kind == "jsonl":
+        rows = _json_lines(where, rows, numbers)
+        rows = [row.get(column) if isinstance(row, dict) else None for row in rows]
+    elif kind == "text":
+        try:
+            rows = [row.decode("utf-8").rstrip("\r\n") for row in rows]
+        except UnicodeDecodeError:
+            bad = next(n for row, n in zip(rows, numbers, strict=True) if not _utf8(row))
+            raise UsageError(f"{where}:{bad}: not UTF-8 text") from None
     for row, number in zip(rows, numbers, strict=True):
-        if kind == "jsonl":
-            try:
-                row = json.loads(row)
-            except (json.JSONDecodeError, UnicodeDecodeError) as error:
-                raise UsageError(f"{where}:{number}: not a line of JSON ({error})") from None
-            row = row.get(column) if isinstance(row, dict) else None
-        elif kind == "text":
-            try:
-                row = row.decode("utf-8").rstrip("\r\n")
-            except UnicodeDecodeError:
-                raise UsageError(f"{where}:{number}: not UTF-8 text") from None
         if not isinstance(row, str):
             at = f"{where}:{number}" if kind == "jsonl" else f"{where}: row {number}"
             raise UsageError(f"{at}: no text under {column!r} (--text-column names the column that holds it)")
-        texts.append(row)
-    return texts
+    return rows
+
+
+def _json_lines(where: str, lines: list[bytes], numbers: list[int]) -> list:
+    """Every line parsed: in one call of the JSON parser, or line by line to name the first that does not parse."""
+    try:
+        rows = json.loads(b"[" + b",".join(lines) + b"]")
+        if len(rows) == len(lines):
+            return rows
+    except ValueError:  # JSONDecodeError, or UnicodeDecodeError
+        pass
+    for line, number in zip(lines, numbers, strict=True):
+        try:
+            json.loads(line)
+        except ValueError as error:
+            raise UsageError(f"{where}:{number}: not a line of JSON ({error})") from None
+    raise UsageError(f"{where}:{numbers[0]}-{numbers[-1]}: lines that are not one JSON value each")
+
+
+def _utf8(line: bytes) -> bool:
+    try:
+        line.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def _encoded(tasks: Iterator[Task], setup: tuple, processes: int) -> Iterator[tuple[np.ndarray, np.ndarray, int]]:
