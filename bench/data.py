@@ -9,7 +9,8 @@
 2. `data prepare`: tokens/s against `datasets.map(batched=True)` with the same tokenizer (a byte-level
    BPE trained here) and process count, on the same JSON Lines corpus; and the peak resident memory
    of a prepare of a corpus 4x larger over that of the smaller one.
-3. Data wait as a share of the step: the debug model on 2 ranks reading a token file, with the
+3. Data wait as a share of the step: the ViT debug model on 2 ranks reading an image folder (the
+   token files of a decoder cost microseconds a step, images a decode and a resize each), with the
    batches built ahead (data.prefetch = 2, the default) and without (data.prefetch = 0).
 
 Timings vary with the machine; the ratios are what the README records.
@@ -143,17 +144,15 @@ def datasets_map_run(project: Path, corpus: Path, tokenizer: Path, processes: in
     return float(seconds), int(tokens)
 
 
-def data_wait_share(project: Path, tmp: Path, steps: int, prefetch: int) -> float:
-    """Median share of the step the loop waited for its batch: the debug model on 2 ranks, a token file."""
-    tokens = tmp / "debug_tokens.bin"
-    if not tokens.exists():
-        np.random.default_rng(0).integers(256, size=10**6).astype(np.uint16).tofile(tokens)
-    run = tmp / f"wait_prefetch{prefetch}"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "bench_pkg.train",
+def data_wait_share(project: Path, images: Path, run: Path, steps: int, prefetch: int) -> float:
+    """Median share of the step the loop waited for its batch: the ViT debug model on 2 ranks reading an image
+    folder (decoding and resizing are the data work a step waits for)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "bench_vit.train",
            "--config", str(project / "configs" / "debug.toml"), "--device", "cpu", "--run_dir", str(run),
-           "--metrics.progress_bar", "False", "--data.source", "memmap", "--data.path", str(tokens),
+           "--metrics.progress_bar", "False", "--data.source", "image_folder", "--data.path", str(images),
            "--data.prefetch", str(prefetch), "--train.steps", str(steps), "--eval.interval", "0",
-           "--checkpoint.interval", "100000", "--checkpoint.export", "none", "--metrics.backend", "none"]  # fmt: skip
+           "--eval.fraction", "0", "--checkpoint.interval", "100000", "--checkpoint.export", "none",
+           "--metrics.backend", "none"]  # fmt: skip
     done = subprocess.run(cmd, cwd=project, env=env_for(project), capture_output=True, text=True)
     if done.returncode:
         sys.exit(f"training failed ({' '.join(cmd)}):\n{done.stderr[-4000:]}")
@@ -161,12 +160,23 @@ def data_wait_share(project: Path, tmp: Path, steps: int, prefetch: int) -> floa
     return statistics.median(r["data_wait_s"] / r["step_time_s"] for r in records[3:])  # after warm-up
 
 
+def write_images(root: Path, count: int) -> None:
+    """JPEG photos' worth of decoding: `count` noisy 256 x 256 images in 4 class folders."""
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for i in range(count):
+        (root / f"class{i % 4}").mkdir(parents=True, exist_ok=True)
+        pixels = rng.integers(0, 256, size=(256, 256, 3), dtype=np.uint8)
+        Image.fromarray(pixels).save(root / f"class{i % 4}" / f"{i:04d}.jpg", quality=90)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller corpora and runs: every row, noisier figures")
     quick = parser.parse_args().quick
     processes = 2
-    rows = 20_000 if quick else 200_000
+    rows = 8_000 if quick else 200_000
     started = time.perf_counter()
 
     def done(what: str) -> None:
@@ -178,7 +188,7 @@ def main() -> None:
         render(project, {"accelerator": "cpu", "model_size": "debug", "package_name": "bench_pkg"})
         done("rendered")
         per_window, rank_share = read_seconds_per_window(
-            project, tmp, steps=10 if quick else 50, rounds=3 if quick else 5
+            project, tmp, steps=5 if quick else 50, rounds=3 if quick else 5
         )
         done("read windows")
         small, large = tmp / "small.jsonl", tmp / "large.jsonl"
@@ -194,8 +204,12 @@ def main() -> None:
         (ours_s, tokens, large_peak), (map_s, map_tokens) = min(ours), min(theirs)
         assert map_tokens == tokens, (map_tokens, tokens)  # the same ids, counted both ways
         done("data prepare and datasets.map")
-        wait_on = data_wait_share(project, tmp, 8 if quick else 40, prefetch=2)
-        wait_off = data_wait_share(project, tmp, 8 if quick else 40, prefetch=0)
+        vit = tmp / "vit"
+        render(vit, {"accelerator": "cpu", "model_type": "vit", "model_size": "vit-debug", "package_name": "bench_vit"})
+        write_images(tmp / "images", 64)
+        steps = 6 if quick else 30
+        wait_on = data_wait_share(vit, tmp / "images", tmp / "wait_on", steps, prefetch=2)
+        wait_off = data_wait_share(vit, tmp / "images", tmp / "wait_off", steps, prefetch=0)
         done("data wait")
     us = {name: seconds * 1e6 for name, seconds in per_window.items()}
     rows_out = [
@@ -208,7 +222,7 @@ def main() -> None:
          f"{tokens / ours_s:,.0f} / {tokens / map_s:,.0f} tokens/s", ">= 1"),
         ("data prepare peak resident memory, 4x the corpus / 1x", f"{large_peak / small_peak:.3f}",
          f"{large_peak / 2**20:.0f} MiB / {small_peak / 2**20:.0f} MiB", "<= 1.1"),
-        ("data wait share of the step, debug model at world size 2: prefetch on / off",
+        ("data wait share of the step, ViT debug model on an image folder at world size 2: prefetch on / off",
          f"{wait_on / wait_off:.2f}" if wait_off else "n/a", f"{100 * wait_on:.2f}% / {100 * wait_off:.2f}%", "< 1"),
     ]  # fmt: skip
     print(f"corpus: {tokens:,} tokens in {rows:,} rows (and {rows // 4:,}); {os.cpu_count()} cores")
