@@ -93,23 +93,28 @@ import resource, sys, time
 from pathlib import Path
 from bench_pkg.data import prepare
 
-corpus, tokenizer, out, processes = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4])
-started = time.perf_counter()
-tokens = prepare(corpus, tokenizer, out, val_fraction=0, processes=processes)
-seconds = time.perf_counter() - started
-# The largest resident set of this process and its workers (reaped: they count among its children).
-peak = max(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
-print(seconds, tokens, peak * 1024)
+
+def peak() -> int:  # the largest resident set of this process and of its workers (reaped: its children)
+    return 1024 * max(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+
+
+tokenizer, processes, out = Path(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
+for corpus in sys.argv[4:]:  # smallest first: the peak only grows
+    started = time.perf_counter()
+    tokens = prepare(corpus, tokenizer, out, val_fraction=0, processes=processes)
+    print(time.perf_counter() - started, tokens, peak())
 """
 
 
-def prepare_run(project: Path, corpus: Path, tokenizer: Path, out: Path, processes: int) -> tuple[float, int, int]:
-    """Seconds, tokens written and peak resident bytes (the largest of its processes) of one `data prepare`,
-    from the JSON Lines file to the token file (the interpreter's start and imports not timed)."""
-    done = subprocess.run([sys.executable, "-c", PREPARE, str(corpus), str(tokenizer), str(out), str(processes)],
-                          cwd=project, env=env_for(project), capture_output=True, text=True, check=True)  # fmt: skip
-    seconds, tokens, peak = done.stdout.split()[-3:]
-    return float(seconds), int(tokens), int(peak)
+def prepare_runs(project: Path, corpora: list[Path], tokenizer: Path, processes: int) -> list[tuple[float, int, int]]:
+    """Seconds, tokens written and the peak resident bytes so far (the largest of its processes) of a `data
+    prepare` of each corpus in turn, in one process: from the JSON Lines file to the token file, the imports not
+    timed. The peak after a larger corpus over that after a smaller one is what the corpus adds."""
+    cmd = [sys.executable, "-c", PREPARE, str(tokenizer), str(processes), str(corpora[0].with_suffix(".bin")),
+           *map(str, corpora)]  # fmt: skip
+    done = subprocess.run(cmd, cwd=project, env=env_for(project), capture_output=True, text=True, check=True)
+    lines = [line.split() for line in done.stdout.splitlines() if len(line.split()) == 3]
+    return [(float(seconds), int(tokens), int(peak)) for seconds, tokens, peak in lines]
 
 
 DATASETS_MAP = """
@@ -196,12 +201,12 @@ def main() -> None:
         write_corpus(large, rows, seed=1)
         train_tokenizer(large, tmp / "tokenizer")
         done("corpus and tokenizer")
-        _, _, small_peak = prepare_run(project, small, tmp / "tokenizer", tmp / "small.bin", processes)
         ours, theirs = [], []
         for _ in range(1 if quick else 3):  # taking turns, the fastest of each: the least disturbed
-            ours.append(prepare_run(project, large, tmp / "tokenizer", tmp / "large.bin", processes))
+            (_, _, small_peak), run = prepare_runs(project, [small, large], tmp / "tokenizer", processes)
+            ours.append((*run, small_peak))
             theirs.append(datasets_map_run(project, large, tmp / "tokenizer", processes))
-        (ours_s, tokens, large_peak), (map_s, map_tokens) = min(ours), min(theirs)
+        (ours_s, tokens, large_peak, small_peak), (map_s, map_tokens) = min(ours), min(theirs)
         assert map_tokens == tokens, (map_tokens, tokens)  # the same ids, counted both ways
         done("data prepare and datasets.map")
         vit = tmp / "vit"
