@@ -173,6 +173,8 @@ class IndexedSource:
 
     seed: int
     order: Shuffle | Randperm
+    mapped: tuple[str, ...] = ()
+    """Attributes that hold a file's memory map (map_file), opened on first use."""
 
     def use_order(self, name: str) -> None:
         self.order = ORDERS[name](len(self), self.seed)
@@ -185,9 +187,6 @@ class IndexedSource:
     def batch(self, index: int, size: int, shuffle: bool = True) -> Batch:
         """Global batch `index` of `size` samples (every rank's share of it)."""
         return self.take(index * size, size, shuffle)
-
-    mapped: tuple[str, ...] = ()
-    """Attributes that hold a file's memory map (map_file), opened on first use."""
 
     def __getstate__(self) -> dict:
         # A DataLoader worker started by spawn (macOS, Windows) gets a copy of the source: it maps the
@@ -274,7 +273,9 @@ class MemmapTokens(IndexedSource):
 
     def take(self, first: int, count: int, shuffle: bool = True) -> Batch:
         """(inputs, targets) of samples first .. first + count - 1: each window's tokens, and them shifted by one."""
-        starts = self.items(first, count, shuffle) * self.seq_len
+        return self._windows(self.items(first, count, shuffle) * self.seq_len)
+
+    def _windows(self, starts: np.ndarray) -> Batch:
         tokens = torch.from_numpy(np.stack([self.tokens[s : s + self.seq_len + 1] for s in starts]).astype(np.int64))
         return tokens[:, :-1], tokens[:, 1:]
 
@@ -313,11 +314,10 @@ class MaskedTokens(MemmapTokens):
             self._mask = map_file(mask_path(self.path), np.uint8, self.bounds)
         return self._mask
 
-    def take(self, first: int, count: int, shuffle: bool = True) -> Batch:
-        starts = self.items(first, count, shuffle) * self.seq_len
-        tokens = torch.stack([torch.from_numpy(self.tokens[s : s + self.seq_len + 1].astype(np.int64)) for s in starts])
-        scored = torch.stack([torch.from_numpy(self.mask[s + 1 : s + self.seq_len + 1] != 0) for s in starts])
-        return tokens[:, :-1], tokens[:, 1:].masked_fill(~scored, IGNORE_INDEX)
+    def _windows(self, starts: np.ndarray) -> Batch:
+        inputs, targets = super()._windows(starts)
+        scored = torch.from_numpy(np.stack([self.mask[s + 1 : s + self.seq_len + 1] for s in starts]) != 0)
+        return inputs, targets.masked_fill(~scored, IGNORE_INDEX)
 
 
 def check_mask(path: Path, dtype: str, key: str = "") -> None:
@@ -380,17 +380,20 @@ class ImageFolder(IndexedSource):
 
     def load(self, sample: int, shuffle: bool = True) -> tuple[torch.Tensor, int]:
         """Sample `sample`'s image, resized to image_size and scaled to [-1, 1], and its label."""
+        item = int(self.items(sample, 1, shuffle)[0])
+        return self._decode(item), int(self.labels[item])
+
+    def take(self, first: int, count: int, shuffle: bool = True) -> Batch:
+        items = self.items(first, count, shuffle)
+        return torch.stack([self._decode(item) for item in items]), torch.from_numpy(self.labels[items])
+
+    def _decode(self, item: int) -> torch.Tensor:
         from PIL import Image  # only this source needs Pillow
 
-        item = int(self.items(sample, 1, shuffle)[0])
         with Image.open(os.fsdecode(self.files[item])) as image:
             image = image.convert(self.mode).resize((self.image_size, self.image_size))
             pixels = torch.from_numpy(np.asarray(image, dtype=np.float32) / 127.5 - 1.0)
-        return (pixels.unsqueeze(0) if pixels.ndim == 2 else pixels.permute(2, 0, 1)), int(self.labels[item])
-
-    def take(self, first: int, count: int, shuffle: bool = True) -> Batch:
-        loaded = [self.load(sample, shuffle) for sample in range(first, first + count)]
-        return torch.stack([x for x, _ in loaded]), torch.tensor([y for _, y in loaded])
+        return pixels.unsqueeze(0) if pixels.ndim == 2 else pixels.permute(2, 0, 1)
 
     def __len__(self) -> int:
         return len(self.files)
