@@ -27,5 +27,5 @@ def test_quick_data_benchmark_prints_every_row():
     for row in ROWS:
         ratio, raw, _goal = table[row]
         assert re.fullmatch(r"\d+\.\d+", ratio), (row, ratio)  # a measured, finite ratio
-        assert row.startswith("one rank's") or re.search(r"\d", raw), (row, raw)
+        assert re.search(r"\d", raw), (row, raw)
     assert set(table) - {"measurement", "---"} == set(ROWS)
