@@ -70,10 +70,11 @@ def read_seconds_per_window(project: Path, tmp: Path, steps: int, rounds: int) -
 
 
 def write_corpus(path: Path, rows: int, seed: int) -> None:
-    """JSON Lines of text: words drawn from a Zipf-like vocabulary of 5,000 made-up words, 5 to 60 a row."""
-    rng = np.random.default_rng(seed)
+    """JSON Lines of text: words drawn from a Zipf-like vocabulary of 5,000 made-up words (the same for every
+    corpus), 5 to 60 a row (drawn with `seed`)."""
+    words_rng, rng = np.random.default_rng(0), np.random.default_rng(seed)
     letters = np.array(list("etaoinshrdlcumwfgypbvkjxqz"))
-    vocabulary = ["".join(rng.choice(letters, size=rng.integers(2, 10))) for _ in range(5000)]
+    vocabulary = ["".join(words_rng.choice(letters, size=words_rng.integers(2, 10))) for _ in range(5000)]
     weights = 1 / np.arange(1, 5001)
     lengths = rng.integers(5, 60, size=rows)
     words = np.split(rng.choice(5000, size=lengths.sum(), p=weights / weights.sum()), np.cumsum(lengths)[:-1])
