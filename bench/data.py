@@ -1,7 +1,7 @@
 """Data-path benchmarks of a rendered CPU project, each a ratio measured side by side in this one run.
 
-    python bench/data.py            # about 3 minutes on 2 cores; prints a Markdown table
-    python bench/data.py --quick    # smaller corpora and runs (well under a minute): every row, noisier
+    python bench/data.py            # about 5 minutes on 2 cores; prints a Markdown table
+    python bench/data.py --quick    # smaller corpora and runs (about a minute): every row, noisier
 
 1. Reading a sample: the time per window of one global batch (64 windows of 2,048 + 1 tokens, the
    render's own data.py) from uint16 token files of 10 M, 100 M and 1 B tokens (sparse files), as a
