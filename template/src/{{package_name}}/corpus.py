@@ -2,17 +2,18 @@
 
 The inputs (find_inputs), several at once, each a file, a directory or a glob:
   - a Hugging Face dataset directory (`save_to_disk`), read through `datasets.load_from_disk`;
-  - .parquet files, read a batch of rows at a time by pyarrow;
+  - .parquet files, read a row group at a time by pyarrow;
   - .jsonl (or .json) files of JSON Lines: one object per line, the text under the text column;
   - .txt files: one row per line that is not blank (as the `datasets` text loader reads them);
   - a directory that is not a saved dataset: the files of those kinds in it.
 
-Rows go to worker processes in batches (at most BATCH_ROWS rows or BATCH_BYTES of text), up to two
-batches per process at a time. A worker tokenizes its batch in one call of the tokenizer, appends
-the end-of-text token to each row and sends the ids back, and they are appended to the output
-files in input order as they come: memory depends on the batch size and the number of processes,
-not on the size of the corpus. The outputs are written under temporary names and renamed into
-place once complete (Outputs).
+find_inputs splits them into batches (BATCH_ROWS rows, or fewer lines that reach BATCH_BYTES; a
+Parquet file's row groups), and each worker process reads its batch from the file itself, up to two
+batches per process at a time: it tokenizes the batch in one call of the tokenizer, appends the
+end-of-text token to each row and sends the ids back, and they are appended to the output files in
+input order as they come. Memory depends on the batch size (a row group's) and the number of
+processes, not on the size of the corpus. The outputs are written under temporary names and
+renamed into place once complete (Outputs).
 """
 
 from __future__ import annotations
