@@ -80,7 +80,9 @@ def run_variant(project: Path, run: Path, variant: Variant, steps: int, warmup: 
               *(TINY if dry_run else [])]  # fmt: skip
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
            "-m", "bench_gpu.train", *config]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(project / "src"), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(project / "src")}
+    if dry_run:
+        env["OMP_NUM_THREADS"] = "1"  # as torchrun sets for several ranks; on a GPU, rank 0's full init takes all
     done = subprocess.run(cmd, cwd=project, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
     if done.returncode:
         sys.exit(f"{variant.name} failed ({' '.join(cmd)}):\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}")
