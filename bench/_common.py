@@ -50,8 +50,10 @@ def host_machine() -> dict:
         "cpu": cpu_model(),
         "cores": os.cpu_count(),
         "usable_cores": usable,
-        # Other work on the machine slows every timing: the 1-minute load average when the run began.
+        # Other work on the machine slows every timing: the 1-minute load average when the run began,
+        # and this run's niceness (below 0 it took the cores ahead of that work).
         "load_at_start": round(os.getloadavg()[0], 2),
+        "nice": os.nice(0),
         "python": platform.python_version(),
         "torch": torch.__version__,
     }
@@ -75,8 +77,9 @@ def gpu_machine() -> dict:
 
 def machine_line(m: dict) -> str:
     """One line naming the machine a table was measured on."""
+    nice = f" (run at nice {m['nice']})" if m.get("nice") else ""
     host = (
-        f"{m['cpu']}, {m['cores']} cores ({m['usable_cores']} usable), load {m['load_at_start']} at start; "
+        f"{m['cpu']}, {m['cores']} cores ({m['usable_cores']} usable), load {m['load_at_start']} at start{nice}; "
         f"Python {m['python']}, torch {m['torch']}"
     )
     if "gpu" not in m:

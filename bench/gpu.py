@@ -13,8 +13,9 @@ tensorwise and rowwise. Each row gives the median step time, tokens/s, MFU (agai
 dense bf16 peak), the peak of torch.cuda.max_memory_allocated and that peak over the memory plan's
 estimate (the plan aims to be within 15%); float8 rows also give their tokens/s over the compiled
 bf16 row's. tests/test_gpu.py then compares the plan with the measured peak on a smaller model.
-Runs that would start after --max-minutes are listed as not run, so a session with a few minutes
-of GPU time still gets its JSON file.
+Runs that would start after --max-minutes are listed as not run, and a run that fails or takes
+over 5 minutes is listed with its error (in the JSON file) while the others still run, so a session
+with a few minutes of GPU time always gets its JSON file; the command exits 1 if a run failed.
 
 Without a CUDA GPU it says so in one line and exits 1. --dry-run runs every step on CPU ranks: the
 debug-sized model, gloo, compiled rows through aot_eager (graph capture, no code generation), float8
@@ -45,7 +46,8 @@ TINY = ["--model.dim", "32", "--model.n_layers", "2", "--model.n_heads", "2", "-
         "--model.ffn_hidden_dim", "64", "--model.vocab_size", "256", "--model.max_seq_len", "16",
         "--train.seq_len", "16", "--device", "cpu", "--dist.backend", "gloo",
         "--parallel.compile_backend", "aot_eager", "--metrics.peak_tflops", "1"]  # fmt: skip
-LAUNCH_TIMEOUT_S = 900
+RUN_TIMEOUT_S = 300
+"""A run that takes longer is stopped and reported as failed: the others still run."""
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,18 @@ ROWS = [run if run == TEST_GPU else run.name for run in RUNS]
 """Every row, in order (on a GPU without float8 tensor cores, less the float8 rows)."""
 
 
+class RunFailed(Exception):
+    """A run that failed or timed out: its row says why, and the others still run."""
+
+
+def run(cmd: list[str], project: Path, env: dict) -> subprocess.CompletedProcess:
+    try:
+        done = subprocess.run(cmd, cwd=project, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired as timeout:
+        raise RunFailed(f"stopped after {RUN_TIMEOUT_S} s: {' '.join(cmd)}") from timeout
+    return done
+
+
 def run_variant(project: Path, run: Path, variant: Variant, steps: int, warmup: int, dry_run: bool) -> dict:
     """Train `steps` steps of one variant on one rank; its figures, medians over the steps after `warmup`."""
     overrides = ["--train.steps", str(steps), "--train.warmup_steps", str(warmup), "--train.global_batch_size",
@@ -83,9 +97,9 @@ def run_variant(project: Path, run: Path, variant: Variant, steps: int, warmup: 
     env = {**os.environ, "PYTHONPATH": str(project / "src")}
     if dry_run:
         env["OMP_NUM_THREADS"] = "1"  # as torchrun sets for several ranks; on a GPU, rank 0's full init takes all
-    done = subprocess.run(cmd, cwd=project, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    done = run(cmd, project, env)
     if done.returncode:
-        sys.exit(f"{variant.name} failed ({' '.join(cmd)}):\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}")
+        raise RunFailed(f"exit code {done.returncode}: {' '.join(cmd)}\n{done.stderr[-5000:]}")
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][warmup:]
     from bench_gpu.config import load_config
     from bench_gpu.plan import GIB, plan_for
@@ -106,11 +120,11 @@ def run_test_gpu(project: Path) -> dict:
     """The project's tests/test_gpu.py: pytest's counts, and what each case measured and planned (GiB)."""
     env = {**os.environ, "PYTHONPATH": f"{project / 'src'}:{project / 'tests'}"}
     cmd = [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "tests/test_gpu.py"]
-    done = subprocess.run(cmd, cwd=project, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    done = run(cmd, project, env)
     summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
     counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|error)", summary)}
     if not counts:
-        sys.exit(f"tests/test_gpu.py did not run:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+        raise RunFailed(f"pytest did not run: {' '.join(cmd)}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
     figures = {k: float(counts.get(k, 0)) for k in ("passed", "failed", "skipped")}
     for ac, measured, planned in re.findall(r"(\w+): measured ([\d.]+) GiB, planned ([\d.]+) GiB", done.stdout):
         figures |= {f"{ac}_measured_gib": float(measured), f"{ac}_plan_gib": float(planned)}
@@ -125,16 +139,23 @@ def measure(args, float8: bool) -> list[dict]:
         project = Path(tmp) / "gpu"
         render(project, ANSWERS)
         sys.path.insert(0, str(project / "src"))
-        for run, name in zip(RUNS, ROWS, strict=True):
-            if run in FLOAT8 and not float8:
+        for job, name in zip(RUNS, ROWS, strict=True):
+            if job in FLOAT8 and not float8:
                 continue
+            row = {"name": name, "figures": {}}
             if time.monotonic() > deadline:
-                rows.append({"name": name, "figures": {}, "note": f"not run: past --max-minutes {args.max_minutes:g}"})
-            elif run == TEST_GPU:
-                rows.append({"name": name, "figures": run_test_gpu(project)})
+                row["note"] = f"not run: past --max-minutes {args.max_minutes:g}"
             else:
-                figures = run_variant(project, Path(tmp) / f"run-{len(rows)}", run, steps, warmup, args.dry_run)
-                rows.append({"name": name, "figures": figures})
+                try:
+                    if job == TEST_GPU:
+                        row["figures"] = run_test_gpu(project)
+                    else:
+                        row["figures"] = run_variant(project, Path(tmp) / f"run-{len(rows)}", job, steps, warmup,
+                                                     args.dry_run)  # fmt: skip
+                except RunFailed as failure:
+                    row["note"], row["error"] = "failed (see its error in the JSON file)", str(failure)
+                    print(f"{name}: {failure}", file=sys.stderr)
+            rows.append(row)
     compiled = next(r["figures"] for r in rows if r["name"] == Variant(True, "none").name)
     for row in rows:
         if row["name"].startswith("float8") and row["figures"] and compiled:
@@ -188,6 +209,8 @@ def main() -> None:
                "rows": measure(args, float8)}  # fmt: skip
     save(results, args.json)
     print(table(results))
+    if any("error" in row for row in results["rows"]):
+        sys.exit("bench/gpu.py: some runs failed (their rows say so); the other figures are in the table")
 
 
 if __name__ == "__main__":
