@@ -211,8 +211,9 @@ def weights_memory(project: Path, tmp: Path, size: list[str]) -> dict[str, int]:
     return added
 
 
-def pytest_seconds(project: Path, selection: list[str]) -> tuple[float, float, str]:
-    """Wall and CPU seconds of the generated tests `selection` in a fresh torch.compile cache, and pytest's summary."""
+def pytest_seconds(project: Path, selection: list[str]) -> tuple[float, float, float, str]:
+    """Wall and CPU seconds of the generated tests `selection` in a fresh torch.compile cache, the machine's
+    1-minute load average as they ended (other work slows them down), and pytest's summary."""
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp(prefix="inductor-")}
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *selection]
     started, cpu = time.perf_counter(), children_cpu_s()
@@ -220,7 +221,7 @@ def pytest_seconds(project: Path, selection: list[str]) -> tuple[float, float, s
     wall, cpu = time.perf_counter() - started, children_cpu_s() - cpu
     if done.returncode:
         sys.exit(f"pytest {' '.join(selection)} failed in {project}:\n{done.stdout[-4000:]}")
-    return wall, cpu, done.stdout.strip().splitlines()[-1].strip("= ")
+    return wall, cpu, os.getloadavg()[0], done.stdout.strip().splitlines()[-1].strip("= ")
 
 
 def ratio_row(name: str, new: float, old: float, raw: str, goal: str) -> dict:
@@ -232,9 +233,11 @@ def memory_row(name: str, memory: dict[str, int], op: str) -> dict:
     return ratio_row(name, new, old, f"{new / 2**20:.0f} MiB / {old / 2**20:.0f} MiB", "< 1")
 
 
-def seconds_row(name: str, timed: tuple[float, float, str], goal: str) -> dict:
-    wall, cpu, summary = timed
-    return {"name": name, "figures": {"wall_s": wall, "cpu_s": cpu}, "raw": f"{cpu:.0f} CPU s; {summary}", "goal": goal}
+def seconds_row(name: str, timed: tuple[float, float, float, str], goal: str) -> dict:
+    wall, cpu, load, summary = timed
+    figures = {"wall_s": wall, "cpu_s": cpu, "load_at_end": load}
+    return {"name": name, "figures": figures, "raw": f"{cpu:.0f} CPU s, load {load:.1f} at the end; {summary}",
+            "goal": goal}  # fmt: skip
 
 
 def fastest(repeats: int, *measurements: Callable[[int], float]) -> list[float]:

@@ -76,7 +76,7 @@ class RunFailed(Exception):
     """A run that failed or timed out: its row says why, and the others still run."""
 
 
-def run(cmd: list[str], project: Path, env: dict) -> subprocess.CompletedProcess:
+def execute(cmd: list[str], project: Path, env: dict) -> subprocess.CompletedProcess:
     try:
         done = subprocess.run(cmd, cwd=project, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     except subprocess.TimeoutExpired as timeout:
@@ -97,7 +97,7 @@ def run_variant(project: Path, run: Path, variant: Variant, steps: int, warmup: 
     env = {**os.environ, "PYTHONPATH": str(project / "src")}
     if dry_run:
         env["OMP_NUM_THREADS"] = "1"  # as torchrun sets for several ranks; on a GPU, rank 0's full init takes all
-    done = run(cmd, project, env)
+    done = execute(cmd, project, env)
     if done.returncode:
         raise RunFailed(f"exit code {done.returncode}: {' '.join(cmd)}\n{done.stderr[-5000:]}")
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][warmup:]
@@ -120,7 +120,7 @@ def run_test_gpu(project: Path) -> dict:
     """The project's tests/test_gpu.py: pytest's counts, and what each case measured and planned (GiB)."""
     env = {**os.environ, "PYTHONPATH": f"{project / 'src'}:{project / 'tests'}"}
     cmd = [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "tests/test_gpu.py"]
-    done = run(cmd, project, env)
+    done = execute(cmd, project, env)
     summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
     counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|error)", summary)}
     if not counts:

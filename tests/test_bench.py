@@ -25,24 +25,44 @@ BENCH = TEMPLATE / "bench"
 BENCHES = sorted(p.name for p in BENCH.glob("*.py") if not p.name.startswith("_"))
 QUICK_FLAG = {"gpu.py": "--dry-run"}
 """A benchmark's quick mode, where it is not --quick."""
+QUICK_TEST = "test_quick_mode_produces_every_row_with_the_machine_line"
 
 
 def bench_module(name: str):
     """bench/<name> imported as a module (its helpers import from bench/ by name, as when it runs)."""
     sys.path.insert(0, str(BENCH))
     spec = importlib.util.spec_from_file_location(f"bench_{Path(name).stem}", BENCH / name)
-    module = importlib.util.module_from_spec(spec)
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # dataclasses look themselves up there
     spec.loader.exec_module(module)
     return module
 
 
+@pytest.fixture(scope="module")
+def quick_runs(request, tmp_path_factory) -> dict[str, tuple[subprocess.Popen, Path]]:
+    """The quick mode of every benchmark a selected test checks, all started at once: their figures
+    mean nothing, so they may share the cores, and together they take half the time."""
+    root = tmp_path_factory.mktemp("bench")
+    selected = {item.callspec.params["name"] for item in request.session.items if item.originalname == QUICK_TEST}
+    runs = {}
+    for name in sorted(selected):
+        out = root / name
+        out.mkdir()
+        cmd = [sys.executable, str(BENCH / name), QUICK_FLAG.get(name, "--quick"), "--json", str(out / "results.json")]
+        with (out / "stdout").open("w") as stdout, (out / "stderr").open("w") as stderr:
+            runs[name] = (subprocess.Popen(cmd, cwd=out, stdout=stdout, stderr=stderr), out)
+    yield runs
+    for proc, _ in runs.values():
+        proc.kill()
+        proc.wait()
+
+
 @pytest.mark.parametrize("name", BENCHES)
-def test_quick_mode_produces_every_row_with_the_machine_line(tmp_path, name):
-    out = tmp_path / "results.json"
-    cmd = [sys.executable, str(BENCH / name), QUICK_FLAG.get(name, "--quick"), "--json", str(out)]
-    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=1200)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    results, module = json.loads(out.read_text()), bench_module(name)
+def test_quick_mode_produces_every_row_with_the_machine_line(quick_runs, name):
+    proc, out = quick_runs[name]
+    proc.wait(timeout=1800)
+    stdout, stderr = (out / "stdout").read_text(), (out / "stderr").read_text()
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-6000:]
+    results, module = json.loads((out / "results.json").read_text()), bench_module(name)
     assert results["quick"] is True
     assert [row["name"] for row in results["rows"]] == module.ROWS
     for row in results["rows"]:
@@ -51,8 +71,8 @@ def test_quick_mode_produces_every_row_with_the_machine_line(tmp_path, name):
     machine = results["machine"]
     assert machine["cpu"] and machine["cores"] >= 1 and machine["torch"]
     # What it printed is the table of what it saved, machine line included: --from-json reprints it.
-    assert module.table(results) in proc.stdout
-    assert f"{machine['cpu']}, {machine['cores']} cores" in proc.stdout
+    assert module.table(results) in stdout
+    assert f"{machine['cpu']}, {machine['cores']} cores" in stdout
 
 
 def test_gpu_bench_without_a_gpu_says_so_in_one_line(tmp_path):
