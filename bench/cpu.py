@@ -1,7 +1,7 @@
 """CPU benchmarks of rendered projects, each a ratio or a time measured side by side in this one run.
 
-    python bench/cpu.py --json bench/results/cpu.json   # about 10 minutes on 2 cores; prints a Markdown table
-    python bench/cpu.py --quick                         # every row on the debug model, in about a minute
+    python bench/cpu.py --json bench/results/cpu.json   # about 15 minutes on 2 cores; prints a Markdown table
+    python bench/cpu.py --quick                         # every row on the debug model, in about two minutes
     python bench/cpu.py --from-json bench/results/cpu.json   # the README's table, from the recorded figures
 
 1. Step time: the generated trainer at world size 1 (torchrun, FSDP2 on one rank, gloo) over a
@@ -295,7 +295,7 @@ def table(results: dict) -> str:
 
 
 def main() -> None:
-    parser = arguments(__doc__.split("\n\n")[0], "--quick", "every row on the debug model, in about a minute")
+    parser = arguments(__doc__.split("\n\n")[0], "--quick", "every row on the debug model, in about two minutes")
     args = parser.parse_args()
     if args.from_json:
         print(table(json.loads(args.from_json.read_text())))

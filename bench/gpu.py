@@ -1,8 +1,8 @@
 """GPU benchmark of a rendered project: the ~1B Llama preset on one CUDA GPU (NCCL, world size 1),
 then the project's own tests/test_gpu.py, in one command that writes one JSON file.
 
-    python bench/gpu.py --json gpu.json       # under 10 minutes on one H100 or H200; prints a Markdown table
-    python bench/gpu.py --dry-run             # the same code path on CPU: a tiny model, gloo, in about a minute
+    python bench/gpu.py --json gpu.json       # meant to end within 10 minutes on one H100 or H200 (not yet run on one)
+    python bench/gpu.py --dry-run             # the same code path on CPU: a tiny model, gloo, in a minute or two
     python bench/gpu.py --from-json gpu.json  # the table of a recorded run (the README's)
 
 It needs the template's test environment with a CUDA build of torch (`pip install --group test`
