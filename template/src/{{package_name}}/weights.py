@@ -12,7 +12,8 @@ this repo's parameter names; `hf` writes a Hugging Face directory (with config.j
 Face layout (models/spec.py). Nothing here knows a model by name: names, tied weights and
 config.json come from the model and its spec. A LoRA model (finetune.method=lora) starts from
 pretrained or seeded base weights plus seeded adapters, and exports plain weights with the
-adapters merged in, which load anywhere the base model does. Converting a distributed checkpoint
+adapters merged in, which load anywhere the base model does, and the adapters alone as a PEFT
+adapter directory beside them (export/adapter: save_adapter). Converting a distributed checkpoint
 offline: convert.py."""
 
 from __future__ import annotations
@@ -29,16 +30,19 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.tensor import DTensor
 
 from .checkpoint import checkpoint_to_resume, plain_tensors
 from .config import Config, FinetuneConfig, ModelConfig, UsageError
 from .models import build_model, model_spec
 from .models.config_math import mismatches
-from .models.lora import initial_adapters, merge_adapters
+from .models.lora import ADAPTERS, initial_adapters, merge_adapters, peft_adapter
 from .strategy import Strategy
 
 logger = logging.getLogger(__name__)
 INDEX = "model.safetensors.index.json"
+ADAPTER_DIR = "adapter"
+"""An export's subdirectory that holds a LoRA run's adapters alone, as PEFT saves them (save_adapter)."""
 
 
 def shared_keys(model: torch.nn.Module) -> dict[str, str]:
@@ -199,9 +203,10 @@ def export_weights(model: torch.nn.Module, cfg: Config, out: Path, is_main: bool
     fmt, f = cfg.checkpoint.export, cfg.finetune
     names = stored_names(cfg.model, fmt)
     state = plain_tensors(get_model_state_dict(model))
+    merged = state
     if f.method == "lora":  # plain weights under the base names: W + (alpha / rank) B A, merged shard by shard
-        state = merge_adapters(state, f.lora_alpha / f.lora_rank)
-    stored = {names[k]: state[k] for k in names}
+        merged = merge_adapters(state, f.lora_alpha / f.lora_rank)
+    stored = {names[k]: merged[k] for k in names}
     if is_main and out.exists():
         shutil.rmtree(out)  # a previous export of this run dir (an extended run): replaced whole
     dist.barrier()
@@ -221,6 +226,32 @@ def export_weights(model: torch.nn.Module, cfg: Config, out: Path, is_main: bool
         if fmt == "hf":
             (out / "config.json").write_text(model_spec(cfg.model.name).hf.config_json(cfg.model))
         logger.info("exported %s weights to %s (%d file(s))", fmt, out, len(files))
+    if f.method == "lora" and model_spec(cfg.model.name).hf:  # PEFT adapts transformers' modules, by their names
+        export_adapter(state, cfg, out / ADAPTER_DIR, is_main)
+
+
+def export_adapter(state: dict[str, torch.Tensor], cfg: Config, out: Path, is_main: bool) -> None:
+    """The adapters of a LoRA model's state dict, gathered whole (a collective: every rank calls this), written
+    by rank 0 as a PEFT adapter directory (save_adapter). They are small: r (in + out) values per layer."""
+    adapters = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()
+                if k.rpartition(".")[2] in ADAPTERS}  # fmt: skip
+    if is_main:
+        save_adapter(adapters, cfg, out)
+        logger.info("exported the LoRA adapters alone to %s (peft.PeftModel.from_pretrained loads them)", out)
+
+
+def save_adapter(state: dict[str, torch.Tensor], cfg: Config, out: Path) -> Path:
+    """Write the adapters of a full LoRA state dict (this repo's names) into `out`, in one process, as PEFT does:
+    adapter_config.json and adapter_model.safetensors, under the transformers module names of the base model
+    (checkpoint.init_from), which `peft.PeftModel.from_pretrained(base_model, out)` adapts."""
+    names = stored_names(cfg.model, "hf")  # this repo's weight name -> transformers' (the module's, + ".weight")
+    base = cfg.checkpoint.init_from or None
+    tensors, config = peft_adapter(state, cfg.finetune, lambda m: names[f"{m}.weight"].removesuffix(".weight"), base)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, out / "adapter_model.safetensors",
+              metadata={"format": "pt"})  # fmt: skip
+    return out
 
 
 def save(state: dict[str, torch.Tensor], cfg: ModelConfig, out: Path, fmt: str) -> Path:
