@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from _common import arguments, host_machine, machine_line, markdown, render, save
+from _common import arguments, env_for, host_machine, ratio_row, render, save, table
 
 # A model big enough that per-step overheads show, small enough for a 2-core CI box.
 MEDIUM = ["--model.dim", "512", "--model.n_layers", "6", "--model.n_heads", "8", "--model.n_kv_heads", "4",
@@ -55,10 +55,6 @@ ROWS = [
     "generated smoke test (`pytest tests/test_smoke.py`), default render, cold",
     "generated fast tier (`pytest`), CPU render, cold",
 ]
-
-
-def env_for(project: Path) -> dict:
-    return {**os.environ, "PYTHONPATH": f"{project / 'src'}:{project / 'tests'}", "OMP_NUM_THREADS": "1"}
 
 
 def children_cpu_s() -> float:
@@ -224,10 +220,6 @@ def pytest_seconds(project: Path, selection: list[str]) -> tuple[float, float, f
     return wall, cpu, os.getloadavg()[0], done.stdout.strip().splitlines()[-1].strip("= ")
 
 
-def ratio_row(name: str, new: float, old: float, raw: str, goal: str) -> dict:
-    return {"name": name, "figures": {"ratio": new / old, "measured": new, "reference": old}, "raw": raw, "goal": goal}
-
-
 def memory_row(name: str, memory: dict[str, int], op: str) -> dict:
     new, old = memory[f"{op}_sharded"], memory[f"{op}_rank0"]
     return ratio_row(name, new, old, f"{new / 2**20:.0f} MiB / {old / 2**20:.0f} MiB", "< 1")
@@ -280,18 +272,6 @@ def measure(quick: bool) -> list[dict]:
         seconds_row(ROWS[7], smoke, "under a minute"),
         seconds_row(ROWS[8], fast_cpu, "under 2 minutes"),
     ]
-
-
-def table(results: dict) -> str:
-    """The Markdown table of a results dict (what --json writes), with the machine line under it."""
-    rows = []
-    for row in results["rows"]:
-        figures = row["figures"]
-        figure = f"{figures['ratio']:.3f}" if "ratio" in figures else f"{figures['wall_s']:.1f} s"
-        rows.append([row["name"], figure, row["raw"], row["goal"]])
-    quick = " (quick mode: a harness check, not a measurement)" if results["quick"] else ""
-    body = markdown(["measurement", "ratio or time", "raw", "goal"], rows, "lrrl")
-    return f"{body}\n\n{machine_line(results['machine'])}{quick}"
 
 
 def main() -> None:
