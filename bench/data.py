@@ -1,6 +1,6 @@
 """Data-path benchmarks of a rendered CPU project, each a ratio measured side by side in this one run.
 
-    python bench/data.py --json bench/results/data.json   # about 5 minutes on 2 cores; prints a Markdown table
+    python bench/data.py --json bench/results/data.json   # 6 minutes on 2 cores at load 4; prints a Markdown table
     python bench/data.py --quick                          # every row on small corpora and short runs
     python bench/data.py --from-json bench/results/data.json   # the README's table, from the recorded figures
 
@@ -103,7 +103,8 @@ def train_tokenizer(corpus: Path, out: Path) -> None:
     tok = tokenizers.Tokenizer(tokenizers.models.BPE())
     tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = tokenizers.decoders.ByteLevel()
-    tok.train_from_iterator(rows, tokenizers.trainers.BpeTrainer(vocab_size=4096, special_tokens=["</s>"]))
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=4096, special_tokens=["</s>"], show_progress=False)
+    tok.train_from_iterator(rows, trainer)
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>").save_pretrained(out)
 
 
