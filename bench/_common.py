@@ -146,3 +146,14 @@ def save(results: dict, path: Path | None) -> None:
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(results, indent=1) + "\n")
+
+
+def run_cpu_bench(bench: str, doc: str, quick_help: str, measure) -> None:
+    """The command line of a benchmark that runs on this machine's CPU: `measure(quick)` gives its rows."""
+    args = arguments(doc.split("\n\n")[0], "--quick", quick_help).parse_args()
+    if args.from_json:
+        print(table(json.loads(args.from_json.read_text())))
+        return
+    results = {"bench": bench, "quick": args.quick, "machine": host_machine(), "rows": measure(args.quick)}
+    save(results, args.json)
+    print(table(results))

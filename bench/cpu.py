@@ -35,7 +35,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from _common import arguments, env_for, host_machine, ratio_row, render, save, table
+from _common import env_for, ratio_row, render, run_cpu_bench, table
+
+# What tests/test_bench.py reads of every benchmark: its rows, its table and its command line.
+__all__ = ["ROWS", "main", "table"]
 
 # A model big enough that per-step overheads show, small enough for a 2-core CI box.
 MEDIUM = ["--model.dim", "512", "--model.n_layers", "6", "--model.n_heads", "8", "--model.n_kv_heads", "4",
@@ -280,15 +283,7 @@ def measure(quick: bool) -> list[dict]:
 
 
 def main() -> None:
-    parser = arguments(__doc__.split("\n\n")[0], "--quick", "every row on the debug model, in about two minutes")
-    args = parser.parse_args()
-    if args.from_json:
-        print(table(json.loads(args.from_json.read_text())))
-        return
-    machine = host_machine()
-    results = {"bench": "cpu", "quick": args.quick, "machine": machine, "rows": measure(args.quick)}
-    save(results, args.json)
-    print(table(results))
+    run_cpu_bench("cpu", __doc__, "every row on the debug model, in about two minutes", measure)
 
 
 if __name__ == "__main__":

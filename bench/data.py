@@ -30,7 +30,10 @@ import time
 from pathlib import Path
 
 import numpy as np
-from _common import arguments, env_for, host_machine, ratio_row, render, save, table
+from _common import env_for, ratio_row, render, run_cpu_bench, table
+
+# What tests/test_bench.py reads of every benchmark: its rows, its table and its command line.
+__all__ = ["ROWS", "main", "table"]
 
 SEQ_LEN, GLOBAL_BATCH = 2048, 64
 CORPUS_TOKENS = {"10 M": 10**7, "100 M": 10**8, "1 B": 10**9}
@@ -256,15 +259,7 @@ def measure(quick: bool) -> list[dict]:
 
 
 def main() -> None:
-    parser = arguments(__doc__.split("\n\n")[0], "--quick", "smaller corpora and shorter runs: every row, noisier")
-    args = parser.parse_args()
-    if args.from_json:
-        print(table(json.loads(args.from_json.read_text())))
-        return
-    machine = host_machine()
-    results = {"bench": "data", "quick": args.quick, "machine": machine, "rows": measure(args.quick)}
-    save(results, args.json)
-    print(table(results))
+    run_cpu_bench("data", __doc__, "smaller corpora and shorter runs: every row, noisier", measure)
 
 
 if __name__ == "__main__":
