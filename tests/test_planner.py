@@ -1,5 +1,5 @@
 """The memory planner: hand-computed figures, and question time (hooks/plan.jinja) agreeing with
-run time (the generated plan.py) on a grid of inputs."""
+run time (the generated plan package) on a grid of inputs."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def jinja(macro: str, *args):
 
 @pytest.fixture(scope="module")
 def plan(tmp_path_factory):
-    """The generated plan.py module, imported from a render: an hf_causal_lm one, whose registry has llama too."""
+    """The generated plan package, imported from a render: an hf_causal_lm one, whose registry has llama too."""
     answers = {"accelerator": "cpu", "package_name": "planpkg", "model_type": "hf_causal_lm"}
     root = render(tmp_path_factory.mktemp("plan") / "p", answers)
     sys.path.insert(0, str(root / "src"))

@@ -8,7 +8,8 @@ second detects this machine's accelerators (hardware.py, the template's hwprobe.
 differ from the hardware the repo was generated for, prints the plan on them and the
 `copier update` command that re-sizes the repo. At start-up the trainer checks the plan against
 the live world size and device memory (`check_plan`). This module holds the formulas, which the
-trainer imports; plan_report.py prints the table, plan_resize.py the `--detect` advice.
+trainer imports; report.py beside it prints the table, resize.py the `--detect` advice, and
+__main__.py is the command line (both import the formulas, never the other way round).
 
 The formulas are the template's hooks/plan.jinja, which chose the defaults at generation time;
 the template's tests check that both agree. For P parameters (Pb per block, Pn outside the
@@ -111,10 +112,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from . import hardware
-from .config import JOB_WIDE, Config, UsageError
-from .models import ModelShape, model_spec
-from .presets import EXPORT_FILE_GB, GPU_ARCHS, HEADROOM, HOST_MEMORY, LINK_GBPS, LORA, PEAK_TFLOPS
+from .. import hardware
+from ..config import JOB_WIDE, Config, UsageError
+from ..models import ModelShape, model_spec
+from ..presets import EXPORT_FILE_GB, GPU_ARCHS, HEADROOM, HOST_MEMORY, LINK_GBPS, LORA, PEAK_TFLOPS
 
 logger = logging.getLogger(__name__)
 
@@ -605,7 +606,7 @@ def check_plan(cfg: Config, world_size: int, device: torch.device, ranks_per_nod
         )
     message = "; ".join(problems) + (
         ". Launch the planned world size, or re-plan for this machine: "
-        f"`python -m {__package__}.plan --config <file>` shows every option, and "
+        f"`python -m {__name__} --config <file>` shows every option, and "
         "`copier update --defaults -d gpus_per_node=N -d gpu_memory_gb=M` regenerates the configs"
         if problems
         else ""
@@ -641,9 +642,3 @@ def check_host_memory(cfg: Config, ranks_per_node: int, ram_gib: float | None = 
         f"the plan needs {host.total / GIB:.1f} GiB of host memory per node ({host.describe()}) and this node has "
         f"{ram_gib:.1f} GiB ({HOST_MEMORY['headroom']:.0%} usable): {fix}"
     )
-
-
-if __name__ == "__main__":
-    from .plan_report import main  # the command line prints with plan_report, which imports this module
-
-    main()
