@@ -611,7 +611,8 @@ def check_plan(cfg: Config, world_size: int, device: torch.device, ranks_per_nod
         if problems
         else ""
     )
-    host = check_host_memory(cfg, ranks_per_node or hw.gpus_per_node)
+    # Nor a host plan: a degree that splits no node into groups leaves no data-parallel rank to plan for.
+    host = check_host_memory(cfg, ranks_per_node or hw.gpus_per_node) if not hw.gpus_per_node % degree else ""
     if host:
         problems.append(host)
         message = f"{message}. {host[0].upper()}{host[1:]}" if message else host
