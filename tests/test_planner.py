@@ -38,11 +38,16 @@ def plan(tmp_path_factory):
         sys.path.remove(str(root / "src"))
 
 
-def shape(plan, preset: str):
-    from planpkg.config import ModelConfig
+def model_config(size: str, **fields):
+    """The hyperparameters of preset `size` (llama's, or of the model `fields` name) as the generated repo reads them."""
+    from planpkg.models import model_spec
 
-    fields = {k: v for k, v in PRESETS[preset].items() if k not in ("seq_len", "micro_batch_size")}
-    return plan.ModelShape.of(ModelConfig(**fields))
+    shapes = {k: v for k, v in PRESETS[size].items() if k not in ("seq_len", "micro_batch_size")}
+    return model_spec(fields.get("name", "llama")).config(**shapes | fields)
+
+
+def shape(plan, preset: str):
+    return plan.ModelShape.of(model_config(preset))
 
 
 def test_llama_8b_on_8_gpus_by_hand(plan):
@@ -184,7 +189,7 @@ def test_question_time_and_run_time_memory_agree(plan):
 
 
 def test_question_time_and_run_time_recommendations_agree(plan, tmp_path):
-    from planpkg.config import Config, FinetuneConfig, HardwareConfig, ModelConfig, ParallelConfig, TrainConfig
+    from planpkg.config import Config, FinetuneConfig, HardwareConfig, ParallelConfig, TrainConfig
 
     differ = 0
     for preset, precision, (gpus, nodes), memory, link, finetune in itertools.product(
@@ -192,9 +197,8 @@ def test_question_time_and_run_time_recommendations_agree(plan, tmp_path):
         ["full", "lora"],
     ):  # fmt: skip
         p = PRESETS[preset]
-        model = ModelConfig(**{k: v for k, v in p.items() if k not in ("seq_len", "micro_batch_size")}, preset=preset)
         cfg = Config(
-            model=model,
+            model=model_config(preset, preset=preset),
             train=TrainConfig(seq_len=p["seq_len"], micro_batch_size=p["micro_batch_size"],
                               global_batch_size=p["micro_batch_size"] * gpus * nodes),
             parallel=ParallelConfig(mixed_precision=precision),
@@ -296,13 +300,11 @@ def test_tensor_parallel_splits_what_one_rank_holds_by_hand(plan):
 
 
 def hardware_config(preset, precision, gpus, nodes, memory, intra, inter, arch, **model_fields):
-    from planpkg.config import Config, HardwareConfig, ModelConfig, ParallelConfig, TrainConfig
+    from planpkg.config import Config, HardwareConfig, ParallelConfig, TrainConfig
 
     p = PRESETS[preset]
-    fields = {k: v for k, v in p.items() if k not in ("seq_len", "micro_batch_size")} | model_fields
-    model = ModelConfig(**fields, preset=preset)
     return Config(
-        model=model,
+        model=model_config(preset, preset=preset, **model_fields),
         train=TrainConfig(seq_len=p["seq_len"], micro_batch_size=p["micro_batch_size"],
                           global_batch_size=p["micro_batch_size"] * gpus * nodes),
         parallel=ParallelConfig(mixed_precision=precision),
@@ -488,7 +490,7 @@ def test_question_time_and_run_time_host_memory_agree(plan):
 
 
 def test_question_time_and_run_time_recommendations_agree_on_host_memory(plan):
-    from planpkg.config import CheckpointConfig, Config, HardwareConfig, ModelConfig, ParallelConfig, TrainConfig
+    from planpkg.config import CheckpointConfig, Config, HardwareConfig, ParallelConfig, TrainConfig
 
     differ = refused = 0
     for preset, (gpus, nodes), memory, host, link, accelerator in itertools.product(
@@ -498,9 +500,8 @@ def test_question_time_and_run_time_recommendations_agree_on_host_memory(plan):
         if accelerator == "cpu" and (memory, link) != (24, "infiniband"):
             continue
         p = PRESETS[preset]
-        model = ModelConfig(**{k: v for k, v in p.items() if k not in ("seq_len", "micro_batch_size")}, preset=preset)
         cfg = Config(
-            model=model,
+            model=model_config(preset, preset=preset),
             train=TrainConfig(seq_len=p["seq_len"], micro_batch_size=p["micro_batch_size"],
                               global_batch_size=p["micro_batch_size"] * gpus * nodes),
             parallel=ParallelConfig(mixed_precision="bf16"),
@@ -555,13 +556,20 @@ def test_generated_python_reads_presets_and_defaults_from_the_rendered_table(pla
     for kind in ("xpu", "cpu"):
         assert presets.DEFAULT_PRECISION[kind] == hook("presets", "default_precision", kind, "")
     assert plan.ARCH_TFLOPS["hopper"] == presets.PEAK_TFLOPS["H100"] == 989.0  # a generation's flagship
-    # config.py's defaults are the debug run, by reference: none of the fields the presets set has a literal default.
-    from planpkg.config import CheckpointConfig, ModelConfig, TrainConfig
+    # The defaults of config.py and of the models' hyperparameters are the debug run's, by reference: none of the
+    # fields the presets set has a literal default. ViT's module is read from the template (this render has none).
+    from planpkg.config import CheckpointConfig, TrainConfig
+    from planpkg.models.llama import LlamaConfig
 
-    source = ast.parse((Path(plan.__file__).parent / "config.py").read_text())
-    classes = {node.name: node for node in source.body if isinstance(node, ast.ClassDef)}
+    src = Path(plan.__file__).parents[1]
+    vit = next((TEMPLATE / "template" / "src" / "{{package_name}}" / "models").glob("*vit.py*"))
+    classes = {}
+    for path in (src / "config.py", src / "models" / "llama.py", vit):
+        classes |= {node.name: node for node in ast.parse(path.read_text()).body if isinstance(node, ast.ClassDef)}
     preset_fields = {
-        "ModelConfig": set(hooks.LLAMA_PRESETS["debug"]) | set(hooks.VIT_PRESETS["vit-debug"]),
+        "BlockConfig": set(hooks.LLAMA_PRESETS["debug"]),
+        "LlamaConfig": set(hooks.LLAMA_PRESETS["debug"]),
+        "ViTConfig": set(hooks.VIT_PRESETS["vit-debug"]),
         "TrainConfig": {"steps", "global_batch_size", "micro_batch_size", "seq_len", "lr", "warmup_steps"},
         "CheckpointConfig": {"interval"},
     }
@@ -571,9 +579,9 @@ def test_generated_python_reads_presets_and_defaults_from_the_rendered_table(pla
             if isinstance(node, ast.AnnAssign) and node.target.id in names:
                 assert not isinstance(node.value, ast.Constant), f"{cls}.{node.target.id} copies a preset's value"
                 checked += 1
-    assert checked == 21
-    run, vit = hooks.DEBUG_RUN, hooks.VIT_PRESETS["vit-debug"]
-    assert (ModelConfig().dim, ModelConfig().image_size) == (hooks.LLAMA_PRESETS["debug"]["dim"], vit["image_size"])
+    assert checked == 26  # the blocks' 5, the decoder's 5, the ViT's 9, training's 6, checkpoints' 1
+    run = hooks.DEBUG_RUN
+    assert LlamaConfig().dim == hooks.LLAMA_PRESETS["debug"]["dim"]
     train = TrainConfig()
     assert (train.steps, train.lr, CheckpointConfig().interval) == (run["steps"], run["lr"], run["checkpoint_interval"])
 

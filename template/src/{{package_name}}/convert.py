@@ -20,8 +20,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from .checkpoint import CHECKPOINT_KEY, WeightsOnlyLoadPlanner, check_finetune_matches
-from .config import FinetuneConfig, ModelConfig, load_config
-from .models import build_model
+from .config import FinetuneConfig, load_config
+from .models import ModelConfig, build_model
 from .models.lora import merge_adapters
 from .weights import save
 

@@ -31,8 +31,8 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceSt
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from .checkpoint import checkpoint_to_resume, plain_tensors
-from .config import Config, FinetuneConfig, ModelConfig, UsageError
-from .models import build_model, model_spec
+from .config import Config, FinetuneConfig, UsageError
+from .models import ModelConfig, build_model, model_spec
 from .models.config_math import mismatches
 from .models.lora import initial_adapters, merge_adapters
 from .strategy import Strategy

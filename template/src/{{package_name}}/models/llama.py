@@ -6,6 +6,9 @@ imports torch.distributed. The model is built on the meta device, sharded, mater
 
 Rotary embeddings use the rotate-half layout of Hugging Face's LlamaForCausalLM, so exported
 weights need renaming only, no permutation.
+
+Its hyperparameters are `LlamaConfig`, the `[model]` table of a config with `name = "llama"`;
+`BlockConfig` holds the blocks' part, which the ViT (models/vit.py) builds on too.
 """
 
 from __future__ import annotations
@@ -13,22 +16,101 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import ModelConfig, RopeScaling
-from .spec import (
-    HFLayout,
-    LoraLayout,
-    ModelSpec,
-    RenameTable,
-    TensorParallelPlan,
-    decoder_errors,
-    decoder_shape,
-    decoder_tp_errors,
-)
+from ..presets import LLAMA3_ROPE_SCALING, LLAMA_PRESETS
+from .lora import LoraLayout
+from .spec import HFLayout, ModelConfig, ModelShape, ModelSpec, RenameTable, TensorParallelPlan
+
+# The defaults are the debug preset's (configs/debug.toml), from presets.py.
+DEBUG = LLAMA_PRESETS["debug"]
+
+
+@dataclass
+class RopeScaling:
+    rope_type: Literal["none", "llama3"] = "none"
+    """none: rotary frequencies from rope_theta alone; llama3: Llama 3.1's long-context rule (rope_frequencies)."""
+    factor: float = LLAMA3_ROPE_SCALING["factor"]
+    """llama3: low frequencies slow down by this factor (8 for Llama 3.1 8B and 70B, 32 for Llama 3.2 1B and 3B)."""
+    low_freq_factor: float = LLAMA3_ROPE_SCALING["low_freq_factor"]
+    """llama3: wavelengths over original_max_position_embeddings / low_freq_factor are scaled in full."""
+    high_freq_factor: float = LLAMA3_ROPE_SCALING["high_freq_factor"]
+    """llama3: wavelengths under original_max_position_embeddings / high_freq_factor stay; those between blend."""
+    original_max_position_embeddings: int = LLAMA3_ROPE_SCALING["original_max_position_embeddings"]
+    """llama3: the context the model was pretrained with, before its long-context extension."""
+
+
+@dataclass
+class BlockConfig(ModelConfig):
+    """The shapes of the pre-norm transformer blocks below (`Block`), which the decoder and the ViT share."""
+
+    name: str = "llama"
+    """Model family; models/__init__.py maps it to the module that defines it."""
+    dim: int = DEBUG["dim"]
+    """Hidden size."""
+    n_layers: int = DEBUG["n_layers"]
+    """Number of blocks; each block is one FSDP unit."""
+    n_heads: int = DEBUG["n_heads"]
+    """Attention heads."""
+    n_kv_heads: int = DEBUG["n_kv_heads"]
+    """Key/value heads (grouped-query attention); must divide n_heads."""
+    ffn_hidden_dim: int = DEBUG["ffn_hidden_dim"]
+    """SwiGLU hidden size."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
+
+    def errors(self, seq_len: int) -> list[str]:
+        """Head counts that multi-head and grouped-query attention can split."""
+        errors = []
+        if self.dim % self.n_heads:
+            errors.append(f"model.dim={self.dim} must be divisible by model.n_heads={self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            errors.append(f"model.n_heads={self.n_heads} must be a multiple of n_kv_heads")
+        return errors
+
+
+@dataclass
+class LlamaConfig(BlockConfig):
+    """The decoder's hyperparameters: its blocks, and the vocabulary, rotary embeddings and head around them."""
+
+    vocab_size: int = DEBUG["vocab_size"]
+    """Vocabulary size (embedding rows and output logits)."""
+    rope_theta: float = DEBUG["rope_theta"]
+    """Rotary embedding base."""
+    rope_scaling: RopeScaling = field(default_factory=lambda: RopeScaling(**(DEBUG["rope_scaling"] or {})))
+    """Rotary frequency scaling: [model.rope_scaling] (the Llama 3.x presets set the llama3 rule)."""
+    max_seq_len: int = DEBUG["max_seq_len"]
+    """Longest sequence the rotary cache covers (the model's context; train.seq_len is what is trained)."""
+    tie_embeddings: bool = DEBUG["tie_embeddings"]
+    """Share the input embedding and output projection weights."""
+
+    def __post_init__(self) -> None:
+        # LlamaConfig(**LLAMA_PRESETS[name]) gives the preset's rope_scaling as presets.py holds it: a dict or None.
+        if not isinstance(self.rope_scaling, RopeScaling):
+            self.rope_scaling = RopeScaling(**(self.rope_scaling or {}))
+
+    def errors(self, seq_len: int) -> list[str]:
+        """A rotary decoder: attention heads, an even head size, and sequences the rotary table covers."""
+        errors = super().errors(seq_len)
+        if self.dim // self.n_heads % 2:
+            errors.append("model.dim / model.n_heads must be even for rotary embeddings")
+        if seq_len > self.max_seq_len:
+            errors.append(f"train.seq_len={seq_len} exceeds model.max_seq_len={self.max_seq_len}")
+        r = self.rope_scaling
+        if r.rope_type == "llama3" and not (
+            r.factor > 0 and 0 < r.low_freq_factor < r.high_freq_factor and r.original_max_position_embeddings > 0
+        ):
+            errors.append(
+                f"model.rope_scaling (llama3) needs factor > 0, 0 < low_freq_factor < high_freq_factor and "
+                f"original_max_position_embeddings > 0, not {r.factor}, {r.low_freq_factor}, {r.high_freq_factor} "
+                f"and {r.original_max_position_embeddings} (the Llama 3.x presets hold the published values)"
+            )
+        return errors
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None, device=None) -> torch.Tensor:
@@ -63,7 +145,7 @@ def rope_cache(
     return torch.stack([angles.cos(), angles.sin()], dim=1)
 
 
-def model_rope_cache(cfg: ModelConfig, device=None) -> torch.Tensor:
+def model_rope_cache(cfg: LlamaConfig, device=None) -> torch.Tensor:
     """The rotary table of a model with this config: its head size, context, base and scaling."""
     return rope_cache(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta, device, cfg.rope_scaling)
 
@@ -78,7 +160,7 @@ def apply_rope(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: BlockConfig):
         super().__init__()
         self.head_dim = cfg.dim // cfg.n_heads
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=False)
@@ -101,7 +183,7 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: BlockConfig):
         super().__init__()
         self.w1 = nn.Linear(cfg.dim, cfg.ffn_hidden_dim, bias=False)
         self.w3 = nn.Linear(cfg.dim, cfg.ffn_hidden_dim, bias=False)
@@ -117,7 +199,7 @@ class Block(nn.Module):
     With a rotary table it is a causal decoder layer; without, a bidirectional encoder layer.
     """
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: BlockConfig):
         super().__init__()
         self.attention_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.attention = Attention(cfg)
@@ -131,7 +213,7 @@ class Block(nn.Module):
 
 
 class Llama(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
@@ -183,6 +265,19 @@ class Llama(nn.Module):
         self.rope.copy_(model_rope_cache(self.cfg, device=self.rope.device))
 
 
+def block_shape(m: BlockConfig, outside: int, classes: int, **per_sample: int) -> ModelShape:
+    """The blocks above (attention, SwiGLU, two RMSNorms, no biases) plus `outside` parameters around them."""
+    kv = m.n_kv_heads * (m.dim // m.n_heads)
+    block = 2 * m.dim * m.dim + 2 * m.dim * kv + 3 * m.dim * m.ffn_hidden_dim + 2 * m.dim
+    P = block * m.n_layers + outside
+    return ModelShape(P, block, outside, m.n_layers, m.dim, kv, m.ffn_hidden_dim, classes, **per_sample)
+
+
+def decoder_shape(m: LlamaConfig) -> ModelShape:
+    """The decoder: the blocks, and outside them the embedding, final norm and (untied) head."""
+    return block_shape(m, m.vocab_size * m.dim * (1 if m.tie_embeddings else 2) + m.dim, m.vocab_size)
+
+
 # This repo's parameter names beside Hugging Face LlamaForCausalLM's ({i}: a layer, {x}: q, k, v
 # or o). Both use the rotate-half rotary layout, so weights need renaming only, never permuting.
 HF_NAMES = RenameTable(
@@ -201,7 +296,7 @@ HF_NAMES = RenameTable(
 )
 
 
-def hf_config_json(cfg: ModelConfig) -> str:
+def hf_config_json(cfg: LlamaConfig) -> str:
     """config.json for transformers' LlamaForCausalLM that computes what this model does.
 
     Rotary scaling is written as Meta's Llama 3.x files write it (`rope_theta`, `rope_scaling` with
@@ -231,6 +326,18 @@ def hf_config_json(cfg: ModelConfig) -> str:
     return json.dumps(config, indent=2)
 
 
+def decoder_tp_errors(m: LlamaConfig, degree: int, seq_len: int) -> list[str]:
+    """What the decoder splits `degree` ways: heads, SwiGLU width, vocabulary, and the sequence."""
+    sizes = {"model.n_heads": m.n_heads, "model.n_kv_heads": m.n_kv_heads, "model.ffn_hidden_dim": m.ffn_hidden_dim,
+             "model.vocab_size": m.vocab_size, "train.seq_len": seq_len}  # fmt: skip
+    return [
+        f"parallel.tensor_parallel={degree} must divide {name}={size}"
+        + (" (sequence parallelism splits every sequence between the ranks)" if name == "train.seq_len" else "")
+        for name, size in sizes.items()
+        if size % degree
+    ]
+
+
 # Megatron-style tensor parallelism with sequence parallelism (torchtitan's Llama plan): q, k, v
 # and SwiGLU's w1, w3 split by output features (whole heads per rank), wo and w2 by input
 # features, the norms on each rank's part of the sequence. Per block forward that is two
@@ -254,9 +361,9 @@ TP_PLAN = TensorParallelPlan(
 )
 
 SPEC = ModelSpec(
+    config=LlamaConfig,
     build=Llama,
     shape=decoder_shape,
-    check=decoder_errors,
     hf=HFLayout(
         to_hf=lambda name: HF_NAMES.rename(name, to_hf=True),
         from_hf=lambda name: HF_NAMES.rename(name, to_hf=False),

@@ -16,19 +16,35 @@ torch.distributed (sharded tensors merge through their own operators).
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .spec import LoraLayout
-
-if TYPE_CHECKING:
-    from ..config import FinetuneConfig
-
 ADAPTERS = ("lora_a", "lora_b")
 """The parameter names LoRALinear adds; everything else in an adapted model is frozen."""
+
+
+@dataclass(frozen=True)
+class LoraLayout:
+    """Where a block keeps its attention and feed-forward linear layers (finetune.lora_targets): a model's
+    SPEC.lora (models/spec.py)."""
+
+    attention: str
+    """Name of the block's attention submodule: its linear layers are the `attention` targets."""
+    mlp: str
+    """Name of the block's feed-forward submodule: its linear layers are the `mlp` targets."""
+
+
+class LoraSettings(Protocol):
+    """The `[finetune]` settings LoRA reads: config.py's FinetuneConfig (config.py imports the models)."""
+
+    method: str
+    lora_rank: int
+    lora_alpha: float
+    lora_targets: str
 
 
 class LoRALinear(nn.Module):
@@ -71,7 +87,7 @@ def targeted(name: str, targets: str, layout: LoraLayout) -> bool:
     return name.startswith(prefix + ".")
 
 
-def apply_lora(model: nn.Module, cfg: FinetuneConfig, layout: LoraLayout | None) -> None:
+def apply_lora(model: nn.Module, cfg: LoraSettings, layout: LoraLayout | None) -> None:
     """Freeze every parameter, and give the targeted linear layers of each block a trainable adapter.
 
     A no-op for finetune.method=full. The adapters are left uninitialised (on the meta device there
@@ -126,7 +142,7 @@ def initial_adapters(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
     return state
 
 
-def lora_rank(cfg: FinetuneConfig) -> int:
+def lora_rank(cfg: LoraSettings) -> int:
     """The adapters' rank, 0 without adapters (finetune.method=full)."""
     return cfg.lora_rank if cfg.method == "lora" else 0
 

@@ -513,7 +513,7 @@ def tensor_parallel_degrees(cfg: Config) -> list[int]:
         return [1]
     degrees, t = [1], 2
     while t <= hw.gpus_per_node:
-        if hw.gpus_per_node % t == 0 and not plan.check(cfg, t):
+        if hw.gpus_per_node % t == 0 and not plan.check(cfg.model, t, cfg.train.seq_len):
             degrees.append(t)
         t *= 2
     return degrees
