@@ -46,8 +46,11 @@ def model_config(size: str, **fields):
     return model_spec(fields.get("name", "llama")).config(**shapes | fields)
 
 
-def shape(plan, preset: str):
-    return plan.ModelShape.of(model_config(preset))
+def shape(plan, preset: str, **fields):
+    """The preset's sizes and cost terms as its model module declares them (llama's, or the model `fields` name)."""
+    from planpkg.models import model_shape
+
+    return model_shape(model_config(preset, **fields))
 
 
 def test_llama_8b_on_8_gpus_by_hand(plan):
@@ -284,11 +287,18 @@ def test_tensor_parallel_splits_what_one_rank_holds_by_hand(plan):
     assert plan.activation_bytes_per_token(s, "bf16", "full", tensor_parallel=4) == 2 * h / 4
     tokens, logits = 4 * 8192, 128256 * (2 + 12)  # the logits stay whole on every rank
     assert four.activations == tokens * (80 * 4096 + 136_192 + logits) == 74_037_854_208
-    # Without sequence parallelism (transformers' plans) the norms and each block's input stay whole.
+    # Without sequence parallelism the norms and each block's input stay whole.
     whole = functools.partial(plan.activation_bytes_per_token, s, "bf16", tensor_parallel=4, sequence_parallel=False)
     assert whole("none") == 16 * h + 2 * (2 * h + (3 * h + 2 * kv + 4 * f) / 4) == 234_496
     assert whole("selective") == 2 * (3 * h + (2 * h + 2 * kv + 2 * f) / 4) == 87_040
     assert whole("full") == 2 * h
+    # transformers' decoder layers (models/hf.py) under their own plan, which splits no sequence: their norms keep
+    # the fp32 input and the normalised output in bf16 (8h + 2 x 2h, whole), the inputs of the split matmuls are
+    # whole (2h), and no copy of the attention output is kept.
+    theirs = functools.partial(plan.activation_bytes_per_token, shape(plan, "70b", name="hf_causal_lm"), "bf16",
+                               tensor_parallel=4, sequence_parallel=False)  # fmt: skip
+    assert theirs("none") == 8 * h + 2 * (4 * h + (2 * h + 2 * kv + 4 * f) / 4) == 197_632
+    assert (theirs("selective"), theirs("full")) == (whole("selective"), whole("full"))
     four_whole = plan.memory_plan(s, tensor_parallel=4, sequence_parallel=False, **kw)
     assert four_whole.activations - four.activations == tokens * (80 * (2 * h - 2 * h / 4) + 234_496 - 136_192)
     # FSDP moves 1/4 of the parameters among 8 data-parallel ranks: 2P (two bf16 gathers + fp32 grads) x 7/8.
@@ -348,12 +358,13 @@ def test_question_time_and_run_time_agree_with_tensor_parallelism(plan):
     checked, split = 0, set()
     for i, (preset, precision, ac, sharding, offload, (gpus, nodes), tp, accum) in enumerate(TP_GRID):
         seq, mbs = PRESETS[preset]["seq_len"], PRESETS[preset]["micro_batch_size"]
-        # Sequence parallelism (llama's plan) or not (transformers'), by the parity of the index's bits:
-        # each half of the grid still spans every other choice, and the grid takes no longer.
+        # llama's blocks and plan (sequence parallelism) or transformers' (hf_causal_lm), by the parity of the
+        # index's bits: each half of the grid still spans every other choice, and the grid takes no longer.
         sp = bin(i).count("1") % 2 == 0
         q = json.loads(jinja("memory_plan", preset, seq, mbs, precision, ac, sharding, offload, gpus, nodes, accum,
                              False, False, 0, "none", "full", tp, sp))  # fmt: skip
-        r = plan.memory_plan(shape(plan, preset), seq_len=seq, micro_batch_size=mbs, precision=precision, ac=ac,
+        s = shape(plan, preset) if sp else shape(plan, preset, name="hf_causal_lm")
+        r = plan.memory_plan(s, seq_len=seq, micro_batch_size=mbs, precision=precision, ac=ac,
                              sharding=sharding, cpu_offload=offload, gpus_per_node=gpus, num_nodes=nodes,
                              grad_accum=accum, tensor_parallel=tp, sequence_parallel=sp)  # fmt: skip
         for name in fields:

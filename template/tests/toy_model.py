@@ -80,16 +80,24 @@ class Toy(nn.Module):
         """No buffers."""
 
 
+@dataclass(frozen=True)
+class ToyShape(ModelShape):
+    def activation_bytes(self, p: int, ac: str, **parallel) -> float:
+        """LayerNorm's input and output, the MLP's hidden layer before and after GELU; or the block input."""
+        return {"none": p * (2 * self.h + 2 * self.f), "selective": p * (2 * self.h + self.f)}.get(ac, p * self.h)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        return 6 * (self.P - self.lookups)  # no attention
+
+
 def toy_shape(m: ToyConfig) -> ModelShape:
     block = 2 * m.dim * m.ffn_hidden_dim + m.ffn_hidden_dim + 3 * m.dim  # up, down (+ biases), LayerNorm
     outside = 2 * m.vocab_size * m.dim  # embedding and head
     P = block * m.n_layers + outside
-    return ModelShape(P, block, outside, m.n_layers, m.dim, kv=0, f=m.ffn_hidden_dim, V=m.vocab_size)
+    # No attention: no FLOPs but the matmuls', and neither the embedding nor the norms multiply.
+    not_multiplied = m.vocab_size * m.dim + 2 * m.dim * m.n_layers
+    return ToyShape(P, block, outside, m.n_layers, m.dim, kv=0, f=m.ffn_hidden_dim, V=m.vocab_size,
+                    lookups=not_multiplied)  # fmt: skip
 
 
-def toy_flops(model: nn.Module, cfg: ToyConfig, seq_len: int) -> int:
-    """No attention: 6 x the parameters of the matmuls (everything but the lookup table and norms)."""
-    return 6 * sum(p.numel() for name, p in model.named_parameters() if "norm" not in name and "embed" not in name)
-
-
-SPEC = ModelSpec(config=ToyConfig, build=Toy, shape=toy_shape, flops_per_token=toy_flops)
+SPEC = ModelSpec(config=ToyConfig, build=Toy, shape=toy_shape)

@@ -358,9 +358,8 @@ class Config:
                 "use finetune.method=full, or add one"
             ]
         errors = []
-        s = spec.shape(m)
-        widths = {"attention": min(s.h, s.kv), "mlp": min(s.h, s.f)}
-        narrowest = min(widths.values()) if f.lora_targets == "all" else widths[f.lora_targets]
+        adapted = spec.shape(m).adapted(f.lora_targets)
+        narrowest = min((min(layer.inputs, layer.outputs) for layer in adapted), default=0)
         if not 1 <= f.lora_rank <= narrowest:
             errors.append(
                 f"finetune.lora_rank={f.lora_rank} must be between 1 and {narrowest}, the width of the narrowest "

@@ -57,7 +57,7 @@ from .distributed import (
 )
 from .evaluate import EvalResult, check_eval_only, checkpoint_to_evaluate, evaluate
 from .metrics import MetricsLogger, init_logging, peak_tflops
-from .models import ModelShape, build_model, model_spec
+from .models import ModelShape, build_model, model_shape, model_spec
 from .models.lora import apply_frozen_dtype, frozen_matmul_params, lora_rank
 from .parallelize import DTYPES, apply_ac, apply_compile, apply_float8, check_float8
 from .plan import check_plan
@@ -327,7 +327,8 @@ def build_join(
 def build_metrics(cfg: Config, env: DistEnv, model: nn.Module, start_step: int) -> MetricsLogger:
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    tokens = ModelShape.of(cfg.model).tokens or cfg.train.seq_len  # per sample (patches + 1 for a ViT)
+    shape = model_shape(cfg.model)
+    tokens = shape.tokens or cfg.train.seq_len  # per sample (patches + 1 for a ViT)
     return MetricsLogger(
         cfg,
         run_dir,
@@ -335,17 +336,18 @@ def build_metrics(cfg: Config, env: DistEnv, model: nn.Module, start_step: int) 
         start_step=start_step,
         tokens_per_step=cfg.train.global_batch_size * tokens,
         world_size=env.world_size,
-        flops_per_token=flops_per_token(cfg, env.strategy.unwrap(model), tokens),
+        flops_per_token=flops_per_token(shape, env.strategy.unwrap(model), tokens),
         peak_tflops=peak_tflops(env.device, cfg.metrics.peak_tflops),
         device=env.device,
         rank=env.rank,
     )
 
 
-def flops_per_token(cfg: Config, model: nn.Module, tokens: int) -> int:
-    """Training FLOPs per token for MFU: the model's count, less the weight gradients frozen weights skip."""
-    flops = model_spec(cfg.model.name).flops_per_token(model, cfg.model, tokens)
-    return flops - 2 * frozen_matmul_params(model)
+def flops_per_token(shape: ModelShape, model: nn.Module, tokens: int) -> float:
+    """Training FLOPs per token for MFU: the model's count (its shape's), with 6 for each parameter the built
+    model has beyond it (LoRA's adapters), less the weight gradients frozen weights skip."""
+    added = sum(p.numel() for p in model.parameters()) - shape.P
+    return shape.flops_per_token(tokens) + 6 * added - 2 * frozen_matmul_params(model)
 
 
 def refuse(error: UsageError | None) -> NoReturn:

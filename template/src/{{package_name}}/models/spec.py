@@ -3,7 +3,7 @@
 Each model module defines its hyperparameters (a dataclass extending `ModelConfig`: the `[model]`
 table of a config that names it) and `SPEC = ModelSpec(...)`; models/__init__.py maps
 `model.name` to the module. From the spec, config.py types and checks `[model]` (`config`),
-plan/ sizes memory (`shape`), metrics.py counts FLOPs (`flops_per_token`), data.py feeds `inputs`,
+plan/ sizes memory and metrics.py counts FLOPs (`shape`: sizes and cost terms), data.py feeds `inputs`,
 weights.py maps the weights to and from Hugging Face (`hf`), models/lora.py places adapters
 (`lora`), and parallelize.py splits the model for tensor parallelism (`tp_plan`). The nn.Module it
 builds meets the module contract in models/__init__.py. Plain Python and torch: nothing here
@@ -17,7 +17,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Generic, Literal, TypeVar
+from typing import Generic, Literal, NamedTuple, TypeVar
 
 from torch import nn
 
@@ -44,9 +44,25 @@ class ModelConfig:
 C = TypeVar("C", bound=ModelConfig)
 
 
+class Linear(NamedTuple):
+    """One linear layer of a block."""
+
+    group: Literal["attention", "mlp"]
+    """The part of the block it is in, as finetune.lora_targets names them."""
+    inputs: int
+    """Input features."""
+    outputs: int
+    """Output features."""
+
+
 @dataclass(frozen=True)
 class ModelShape:
-    """What the memory and communication planner needs to know about a model (plan.py's formulas)."""
+    """What the planner (plan/) and the MFU figure (metrics.py) know of a model: its sizes, and its cost terms.
+
+    A model module subclasses it to declare what its blocks keep for backward (`activation_bytes`),
+    and, where the transformer count does not fit, its FLOPs (`flops_per_token`); tests/test_plan.py
+    measures the activations of every model in the registry against the declaration.
+    """
 
     P: int
     """Parameters in all."""
@@ -68,30 +84,43 @@ class ModelShape:
     """Tokens per sample through the blocks (0: train.seq_len)."""
     logits: int = 0
     """Positions per sample that produce logits (0: every token)."""
+    linears: tuple[Linear, ...] = ()
+    """The linear layers of a block: LoRA's adapters, float8's all-gathers and the largest tensor read them."""
+    lookups: int = 0
+    """Parameters that are read by index, not multiplied (an embedding other than a tied head): no FLOPs."""
 
-    @classmethod
-    def of(cls, cfg: ModelConfig) -> ModelShape:
-        """The shape of the model `cfg.name` names, from its spec."""
-        from . import model_spec  # the registry imports this module
+    def activation_bytes(
+        self, p: int, ac: str, *, lora_rank: int = 0, lora_targets: str = "all", tensor_parallel: int = 1,
+        sequence_parallel: bool = True,
+    ) -> float:  # fmt: skip
+        """Bytes one block keeps for backward per token: `p` bytes per element of the compute dtype,
+        activation checkpointing `ac` (none, selective, full), LoRA adapters of `lora_rank` (0: none) on
+        `lora_targets`, and tensor parallelism of `tensor_parallel` ranks, with or without sequence parallelism."""
+        raise NotImplementedError(f"{type(self).__name__} declares no activation bytes: subclass ModelShape")
 
-        return model_spec(cfg.name).shape(cfg)
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token, torchtitan's convention: 6 x the multiplied parameters, plus attention's
+        12 x blocks x hidden size x `seq_len` (2 matmuls, x3 for forward and backward, x2 for multiply-add),
+        ignoring causal sparsity as is customary."""
+        return 6 * (self.P - self.lookups) + 12 * self.L * self.h * seq_len
 
+    def adapted(self, targets: str) -> tuple[Linear, ...]:
+        """The linear layers of a block that LoRA adapts with finetune.lora_targets = `targets`."""
+        return tuple(layer for layer in self.linears if targets in ("all", layer.group))
 
-def transformer_flops(model: nn.Module, cfg: ModelConfig, seq_len: int) -> int:
-    """Training FLOPs per token, torchtitan's convention: 6 x matmul parameters + attention.
+    def adapter_params(self, rank: int, targets: str) -> int:
+        """LoRA parameters per block: rank x (in + out) for each adapted layer (0 for rank 0)."""
+        return sum(rank * (layer.inputs + layer.outputs) for layer in self.adapted(targets))
 
-    Embedding lookups are not matmuls (unless the weight doubles as the tied output head).
-    Attention adds 12 * layers * dim * seq_len (2 matmuls, x3 for forward and backward, x2 for
-    multiply-add), ignoring causal sparsity as is customary.
-    """
-    head = model.get_output_embeddings()
-    lookups = sum(
-        m.weight.numel()
-        for m in model.modules()
-        if isinstance(m, nn.Embedding) and (head is None or m.weight is not head.weight)
-    )
-    n_params = sum(p.numel() for p in model.parameters())
-    return 6 * (n_params - lookups) + 12 * cfg.n_layers * cfg.dim * seq_len
+    @property
+    def linear_params(self) -> int:
+        """Weights of a block's linear layers (the rest of the block: norms, biases)."""
+        return sum(layer.inputs * layer.outputs for layer in self.linears)
+
+    @property
+    def largest(self) -> int:
+        """Elements of the largest tensor: the embedding or head (V x h), or a block's widest layer."""
+        return max(self.V * self.h, *(layer.inputs * layer.outputs for layer in self.linears))
 
 
 @dataclass(frozen=True)
@@ -181,11 +210,10 @@ class ModelSpec(Generic[C]):
     build: Callable[[C], nn.Module]
     """A new, uninitialised model (called under torch.device("meta") to allocate nothing)."""
     shape: Callable[[C], ModelShape]
-    """Sizes for the memory planner."""
+    """Its sizes and cost terms, for the planner and the MFU figure."""
     inputs: Literal["tokens", "images"] = "tokens"
-    """What a batch holds: token ids (targets: the next tokens) or images (targets: class ids)."""
-    flops_per_token: Callable[[nn.Module, C, int], int] = transformer_flops
-    """Training FLOPs per token for the MFU figure (model, config, tokens per sample)."""
+    """What a batch holds: token ids (targets: the next tokens; the config has `vocab_size`) or images
+    (targets: class ids; the config has `image_size`, `channels` and `num_classes`), for data.py."""
     hf: HFLayout | None = None
     """The Hugging Face weight layout, for models transformers can load (None: export=hf refused)."""
     lora: LoraLayout | None = None

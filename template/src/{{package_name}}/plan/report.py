@@ -4,12 +4,12 @@ communication for a config, from the formulas of plan/__init__.py."""
 from __future__ import annotations
 
 from ..config import Config
+from ..models import model_shape
 from . import (
     GIB,
     HEADROOM,
     HOST_MEMORY,
     SHARDINGS,
-    ModelShape,
     adapter_params,
     communication_bytes,
     estimate_tensor_parallel,
@@ -26,7 +26,7 @@ from . import (
 
 def format_table(cfg: Config) -> str:
     """Per-rank memory and per-step communication of every sharding choice for this config."""
-    s, hw, p = ModelShape.of(cfg.model), cfg.hardware, cfg.parallel
+    s, hw, p = model_shape(cfg.model), cfg.hardware, cfg.parallel
     unit, unit_name = (GIB, "GiB") if plan_for(cfg, sharding="no_shard").total >= GIB else (2**20, "MiB")
     widths = (15, 8, 11, 7, 10, 8, 10, 9, 7, 8, 13)
 
@@ -122,7 +122,7 @@ def lora_lines(cfg: Config, unit: float, unit_name: str) -> list[str]:
     f = cfg.finetune
     if f.method != "lora":
         return []
-    s = ModelShape.of(cfg.model)
+    s = model_shape(cfg.model)
     adapters = s.L * adapter_params(s, **lora_of(cfg))
     lora, full = plan_for(cfg).total, plan_for(cfg, finetune="full").total
     return [
