@@ -126,6 +126,7 @@ from pathlib import Path
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from bench_pkg import train, weights
 from bench_pkg.config import load_config
+from bench_pkg.models import model_spec
 
 PAGE = 4096
 
@@ -154,16 +155,17 @@ def peak_added(work) -> int:
 
 op, path, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
 cfg = load_config(sys.argv[4:])
-env = train.init_distributed(cfg)
-model = train.build_model_meta(cfg, env, init_weights=False)
+spec = model_spec(cfg.model.name)
+env = train.init_distributed(cfg, spec)
+model = train.build_model_meta(cfg, spec, env, init_weights=False)
 if op == "load_sharded":
     cfg.checkpoint.init_from = path
-    added = peak_added(lambda: weights.load_pretrained(model, cfg))
+    added = peak_added(lambda: weights.load_pretrained(model, cfg, spec))
 elif op == "load_rank0":
     full_state = lambda: weights.load(Path(path), cfg.model)  # noqa: E731
     added = peak_added(lambda: env.strategy.apply_weights_from_rank0(model, full_state))
 elif op == "export_sharded":
-    added = peak_added(lambda: weights.export_weights(model, cfg, Path(path), env.is_main))
+    added = peak_added(lambda: weights.export_weights(model, cfg, spec, Path(path), env.is_main))
 else:
     def gather_and_save():
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

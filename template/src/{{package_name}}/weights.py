@@ -10,7 +10,8 @@ passes checkpoint.export_file_gb (5 GB, as transformers' save_pretrained). `safe
 this repo's parameter names; `hf` writes a Hugging Face directory (with config.json) that
 `transformers.AutoModelForCausalLM.from_pretrained` loads, for models whose spec has a Hugging
 Face layout (models/spec.py). Nothing here knows a model by name: names, tied weights and
-config.json come from the model and its spec. A LoRA model (finetune.method=lora) starts from
+config.json come from the model and its spec, which the trainer resolves once and passes in
+(`load` and `save`, for tools and tests, resolve it from the config). A LoRA model (finetune.method=lora) starts from
 pretrained or seeded base weights plus seeded adapters, and exports plain weights with the
 adapters merged in, which load anywhere the base model does. Converting a distributed checkpoint
 offline: convert.py."""
@@ -31,10 +32,10 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceSt
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from .checkpoint import checkpoint_to_resume, plain_tensors
-from .config import Config, FinetuneConfig, UsageError
-from .models import ModelConfig, build_model, model_spec
+from .config import Config, UsageError
+from .models import ModelConfig, ModelSpec, model_spec
 from .models.config_math import mismatches
-from .models.lora import initial_adapters, merge_adapters
+from .models.lora import LoraSettings, apply_lora, initial_adapters, merge_adapters
 from .strategy import Strategy
 
 logger = logging.getLogger(__name__)
@@ -53,15 +54,14 @@ def shared_keys(model: torch.nn.Module) -> dict[str, str]:
     return aliases
 
 
-def stored_names(cfg: ModelConfig, fmt: str, model: torch.nn.Module | None = None) -> dict[str, str]:
+def stored_names(spec: ModelSpec, cfg: ModelConfig, fmt: str, model: torch.nn.Module | None = None) -> dict[str, str]:
     """This repo's parameter name -> its name in `fmt` files (safetensors or hf); tied aliases left out."""
-    model, rename = model or build_model_on_meta(cfg), _renamer(cfg, fmt)
+    model, rename = model or build_model_on_meta(spec, cfg), _renamer(spec, cfg, fmt)
     aliases = shared_keys(model)
     return {k: rename(k) for k in model.state_dict() if k not in aliases}
 
 
-def _renamer(cfg: ModelConfig, fmt: str):
-    spec = model_spec(cfg.name)
+def _renamer(spec: ModelSpec, cfg: ModelConfig, fmt: str):
     if fmt != "hf":
         return str
     if spec.hf is None:
@@ -90,13 +90,13 @@ def weights_dir(path: Path) -> Path:
     return path
 
 
-def match_names(cfg: ModelConfig, directory: Path) -> dict[str, str]:
+def match_names(spec: ModelSpec, cfg: ModelConfig, directory: Path) -> dict[str, str]:
     """How the files in `directory` name this model's parameters; ValueError naming the misfit if they do not."""
-    model = build_model_on_meta(cfg)
+    model = build_model_on_meta(spec, cfg)
     stored, aliases, expected = stored_shapes(directory), shared_keys(model), model.state_dict()
     misfits = []
-    for fmt in ("safetensors", "hf") if model_spec(cfg.name).hf else ("safetensors",):
-        names, rename = stored_names(cfg, fmt, model), _renamer(cfg, fmt)  # one meta build for both formats
+    for fmt in ("safetensors", "hf") if spec.hf else ("safetensors",):
+        names, rename = stored_names(spec, cfg, fmt, model), _renamer(spec, cfg, fmt)  # one meta build for both
         # A tied head may be stored besides its embedding; it is then ignored.
         missing = set(names.values()) - set(stored)
         extra = set(stored) - set(names.values()) - {rename(a) for a in aliases}
@@ -115,10 +115,10 @@ def match_names(cfg: ModelConfig, directory: Path) -> dict[str, str]:
     return names
 
 
-def match_config(cfg: ModelConfig, directory: Path) -> None:
+def match_config(spec: ModelSpec, cfg: ModelConfig, directory: Path) -> None:
     """ValueError naming every field of the directory's config.json that computes otherwise than this
     model (models/config_math.py); nothing to compare without a config.json (this repo's safetensors export)."""
-    hf = model_spec(cfg.name).hf
+    hf = spec.hf
     theirs = hf.read_config(directory) if hf else None
     if theirs is None:
         return
@@ -130,7 +130,7 @@ def match_config(cfg: ModelConfig, directory: Path) -> None:
         )
 
 
-def check_init_from(cfg: Config) -> None:
+def check_init_from(cfg: Config, spec: ModelSpec) -> None:
     """Refuse, before the process group starts, checkpoint.init_from weights that do not fit the model (what
     config.json says it computes, then names and shapes), and LoRA with nothing pretrained to start from."""
     c = cfg.checkpoint
@@ -145,16 +145,16 @@ def check_init_from(cfg: Config) -> None:
         return
     try:
         directory = weights_dir(Path(c.init_from))
-        match_config(cfg.model, directory)
-        match_names(cfg.model, directory)
+        match_config(spec, cfg.model, directory)
+        match_names(spec, cfg.model, directory)
     except ValueError as error:
         raise UsageError(f"checkpoint.init_from={c.init_from}: {error}") from None
 
 
-def load_pretrained(model: torch.nn.Module, cfg: Config) -> None:
+def load_pretrained(model: torch.nn.Module, cfg: Config, spec: ModelSpec) -> None:
     """Read checkpoint.init_from into the (sharded) model: every rank reads only the slices it holds."""
     directory = weights_dir(Path(cfg.checkpoint.init_from))
-    names = match_names(cfg.model, directory)
+    names = match_names(spec, cfg.model, directory)
     state = plain_tensors(get_model_state_dict(model))
     stored = {names[k]: state[k] for k in names}
     dcp.load(stored, storage_reader=HuggingFaceStorageReader(str(directory)))
@@ -163,7 +163,7 @@ def load_pretrained(model: torch.nn.Module, cfg: Config) -> None:
     logger.info("loaded %s weights from %s", len(names), directory)
 
 
-def apply_initial_weights(model: torch.nn.Module, cfg: Config, strategy: Strategy) -> None:
+def apply_initial_weights(model: torch.nn.Module, cfg: Config, spec: ModelSpec, strategy: Strategy) -> None:
     """The starting weights on every rank: checkpoint.init_from's, or rank 0's seeded init.
 
     With LoRA the adapters start from rank 0's seeded draws too (and B = 0, so the model computes
@@ -171,12 +171,12 @@ def apply_initial_weights(model: torch.nn.Module, cfg: Config, strategy: Strateg
     second, small broadcast that leaves the pretrained weights as they are.
     """
     if cfg.checkpoint.init_from:
-        load_pretrained(model, cfg)
+        load_pretrained(model, cfg, spec)
         if cfg.finetune.method == "lora":
-            meta = build_model_on_meta(cfg.model, cfg.finetune)  # the adapters' state-dict names, unwrapped
+            meta = build_model_on_meta(spec, cfg.model, cfg.finetune)  # the adapters' state-dict names, unwrapped
             strategy.apply_weights_from_rank0(model, lambda: initial_adapters(meta, cfg.train.seed), strict=False)
         return
-    strategy.apply_weights_from_rank0(model, lambda: initial_state(cfg))
+    strategy.apply_weights_from_rank0(model, lambda: initial_state(cfg, spec))
 
 
 def file_index(state: dict[str, torch.Tensor], max_bytes: float) -> dict[str, int]:
@@ -190,14 +190,14 @@ def file_index(state: dict[str, torch.Tensor], max_bytes: float) -> dict[str, in
     return index
 
 
-def export_weights(model: torch.nn.Module, cfg: Config, out: Path, is_main: bool) -> None:
+def export_weights(model: torch.nn.Module, cfg: Config, spec: ModelSpec, out: Path, is_main: bool) -> None:
     """Write the full weights to `out` (a collective: every rank calls this, and writes only its shards).
 
     DCP's Hugging Face writer has each rank write its shards under out/sharded, then rank 0 joins
     them tensor by tensor into the final files; a model in one file is named model.safetensors.
     """
     fmt, f = cfg.checkpoint.export, cfg.finetune
-    names = stored_names(cfg.model, fmt)
+    names = stored_names(spec, cfg.model, fmt)
     state = plain_tensors(get_model_state_dict(model))
     if f.method == "lora":  # plain weights under the base names: W + (alpha / rank) B A, merged shard by shard
         state = merge_adapters(state, f.lora_alpha / f.lora_rank)
@@ -219,46 +219,51 @@ def export_weights(model: torch.nn.Module, cfg: Config, out: Path, is_main: bool
             files[0].rename(out / "model.safetensors")
             (out / INDEX).unlink()
         if fmt == "hf":
-            (out / "config.json").write_text(model_spec(cfg.model.name).hf.config_json(cfg.model))
+            (out / "config.json").write_text(spec.hf.config_json(cfg.model))
         logger.info("exported %s weights to %s (%d file(s))", fmt, out, len(files))
 
 
 def save(state: dict[str, torch.Tensor], cfg: ModelConfig, out: Path, fmt: str) -> Path:
     """Write a full state dict (this repo's names) as `fmt` (safetensors or hf) into `out`, in one process."""
-    names = stored_names(cfg, fmt)  # a tied weight is stored once (safetensors refuses shared tensors)
+    spec = model_spec(cfg.name)
+    names = stored_names(spec, cfg, fmt)  # a tied weight is stored once (safetensors refuses shared tensors)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {names[k]: state[k].detach().cpu().contiguous() for k in names}
     if fmt == "hf":
-        (out / "config.json").write_text(model_spec(cfg.name).hf.config_json(cfg))
+        (out / "config.json").write_text(spec.hf.config_json(cfg))
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt", "layout": fmt})
     return out / "model.safetensors"
 
 
 def load(path: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """A full state dict (this repo's names) from safetensors files, in one process (tests, tools)."""
-    directory = weights_dir(Path(path))
-    names = match_names(cfg, directory)
+    spec, directory = model_spec(cfg.name), weights_dir(Path(path))
+    names = match_names(spec, cfg, directory)
     files = {}
     for file in directory.glob("*.safetensors"):
         with safe_open(file, "pt") as f:
             files.update({k: f.get_tensor(k) for k in f.keys()})
     tensors = {k: files[v] for k, v in names.items()}
-    for alias, source in shared_keys(build_model_on_meta(cfg)).items():
+    for alias, source in shared_keys(build_model_on_meta(spec, cfg)).items():
         tensors[alias] = tensors[source]
     return tensors
 
 
-def build_model_on_meta(cfg: ModelConfig, finetune: FinetuneConfig | None = None) -> torch.nn.Module:
+def build_model_on_meta(spec: ModelSpec, cfg: ModelConfig, finetune: LoraSettings | None = None) -> torch.nn.Module:
+    """The model (with LoRA's adapters when `finetune` has them) on the meta device: names and shapes only."""
     with torch.device("meta"):
-        return build_model(cfg, finetune)
+        model = spec.build(cfg)
+    if finetune is not None:
+        apply_lora(model, finetune, spec.lora)
+    return model
 
 
-def initial_state(cfg: Config) -> dict[str, torch.Tensor]:
+def initial_state(cfg: Config, spec: ModelSpec) -> dict[str, torch.Tensor]:
     """Rank 0's full initial weights: a seeded random init, the same at any world size (LoRA adapters included)."""
     with torch.device("cpu"):
-        reference = build_model(cfg.model)
+        reference = spec.build(cfg.model)
     reference.init_weights(torch.Generator().manual_seed(cfg.train.seed))
     state = reference.state_dict()
     if cfg.finetune.method == "lora":
-        state |= initial_adapters(build_model_on_meta(cfg.model, cfg.finetune), cfg.train.seed)
+        state |= initial_adapters(build_model_on_meta(spec, cfg.model, cfg.finetune), cfg.train.seed)
     return state
