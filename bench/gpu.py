@@ -1,81 +1,216 @@
-"""GPU benchmark of a rendered project: the ~1B preset on one CUDA GPU (NCCL, world size 1).
+"""GPU benchmark of a rendered project: the ~1B Llama preset on one CUDA GPU (NCCL, world size 1),
+then the project's own tests/test_gpu.py, in one command that writes one JSON file.
 
-    python bench/gpu.py [--steps 30]        # about 10 minutes on an H100/H200
+    python bench/gpu.py --json gpu.json       # meant to end within 10 minutes on one H100 or H200 (not yet run on one)
+    python bench/gpu.py --dry-run             # the same code path on CPU: a tiny model, gloo, in a minute or two
+    python bench/gpu.py --from-json gpu.json  # the table of a recorded run (the README's)
 
-For bf16 with compile off/on and activation checkpointing none/selective/full, and float8
-(tensorwise and rowwise, compiled) where the GPU has float8 tensor cores (sm 8.9+), it prints, as a
-Markdown table, tokens/s per GPU, MFU, the peak of torch.cuda.max_memory_allocated, and that
-peak over the memory plan's estimate (the plan aims to be within 15%); float8 rows also give their
-tokens/s over the compiled bf16 row's. Run it where a GPU is
-at hand and record the table in the README; CI has no GPU and does not run it.
+It needs the template's test environment with a CUDA build of torch (`pip install --group test`
+without the CPU wheel index). Each run is bf16 at the preset's sequence length and micro-batch,
+one micro-batch per step: eager with activation checkpointing none, selective and full, compiled
+(inductor) with none, and, where the GPU has float8 tensor cores (sm 8.9+), compiled float8
+tensorwise and rowwise. Each row gives the median step time, tokens/s, MFU (against the GPU's
+dense bf16 peak), the peak of torch.cuda.max_memory_allocated and that peak over the memory plan's
+estimate (the plan aims to be within 15%); float8 rows also give their tokens/s over the compiled
+bf16 row's. tests/test_gpu.py then compares the plan with the measured peak on a smaller model.
+Runs that would start after --max-minutes are listed as not run, and a run that fails or takes
+over 5 minutes is listed with its error (in the JSON file) while the others still run, so a session
+with a few minutes of GPU time always gets its JSON file; the command exits 1 if a run failed.
+
+Without a CUDA GPU it says so in one line and exits 1. --dry-run runs every step on CPU ranks: the
+debug-sized model, gloo, compiled rows through aot_eager (graph capture, no code generation), float8
+rows through torch's reference float8 matmul (no float8 kernels), and MFU against a stand-in peak
+of 1 TFLOP/s; tests/test_gpu.py skips itself there. Its figures mean nothing; tests/test_bench.py
+runs it to keep this file from rotting between GPU sessions.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
 import tempfile
-import warnings
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
-import copier
+from _common import arguments, gpu_machine, host_machine, machine_line, markdown, render, save
 
-ROOT = Path(__file__).resolve().parents[1]
-# (compile, activation checkpointing, float8)
-VARIANTS = [("off", "none", "none"), ("off", "selective", "none"), ("off", "full", "none"), ("on", "selective", "none")]
-FLOAT8 = [("on", "selective", "tensorwise"), ("on", "selective", "rowwise")]
+ANSWERS = {"package_name": "bench_gpu", "model_size": "1b", "gpus_per_node": 1, "gpu_memory_gb": 80,
+           "seq_len": 4096, "micro_batch_size": 2, "mixed_precision": "bf16", "sharding": "full"}  # fmt: skip
+# --dry-run: every size a multiple of 16 (float8 matmuls need it), as tests/test_float8.py's tiny model.
+TINY = ["--model.dim", "32", "--model.n_layers", "2", "--model.n_heads", "2", "--model.n_kv_heads", "1",
+        "--model.ffn_hidden_dim", "64", "--model.vocab_size", "256", "--model.max_seq_len", "16",
+        "--train.seq_len", "16", "--device", "cpu", "--dist.backend", "gloo",
+        "--parallel.compile_backend", "aot_eager", "--metrics.peak_tflops", "1"]  # fmt: skip
+RUN_TIMEOUT_S = 300
+"""A run that takes longer is stopped and reported as failed: the others still run."""
+
+
+@dataclass(frozen=True)
+class Variant:
+    compile: bool
+    ac: str
+    float8: str = "none"
+
+    @property
+    def name(self) -> str:
+        precision = f"float8 {self.float8}" if self.float8 != "none" else "bf16"
+        return f"{precision}, {'compiled' if self.compile else 'eager'}, AC {self.ac}"
+
+
+# In the order they run, most wanted first: --max-minutes cuts the last ones.
+BF16 = [Variant(False, "none"), Variant(True, "none")]
+FLOAT8 = [Variant(True, "none", "tensorwise"), Variant(True, "none", "rowwise")]
+MORE_AC = [Variant(False, "selective"), Variant(False, "full")]
+TEST_GPU = "generated tests/test_gpu.py: plan vs torch.cuda.max_memory_allocated"
+RUNS = [*BF16, *FLOAT8, TEST_GPU, *MORE_AC]
+ROWS = [run if run == TEST_GPU else run.name for run in RUNS]
+"""Every row, in order (on a GPU without float8 tensor cores, less the float8 rows)."""
+
+
+class RunFailed(Exception):
+    """A run that failed or timed out: its row says why, and the others still run."""
+
+
+def execute(cmd: list[str], project: Path, env: dict) -> subprocess.CompletedProcess:
+    try:
+        done = subprocess.run(cmd, cwd=project, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired as timeout:
+        raise RunFailed(f"stopped after {RUN_TIMEOUT_S} s: {' '.join(cmd)}") from timeout
+    return done
+
+
+def run_variant(project: Path, run: Path, variant: Variant, steps: int, warmup: int, dry_run: bool) -> dict:
+    """Train `steps` steps of one variant on one rank; its figures, medians over the steps after `warmup`."""
+    overrides = ["--train.steps", str(steps), "--train.warmup_steps", str(warmup), "--train.global_batch_size",
+                 str(ANSWERS["micro_batch_size"]), "--checkpoint.interval", "100000", "--checkpoint.export", "none",
+                 "--eval.interval", "0", "--metrics.progress_bar", "False", "--parallel.compile", str(variant.compile),
+                 "--parallel.activation_checkpointing", variant.ac, "--parallel.float8", variant.float8]  # fmt: skip
+    config = ["--config", str(project / "configs" / "1b.toml"), "--run_dir", str(run), *overrides,
+              *(TINY if dry_run else [])]  # fmt: skip
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+           "-m", "bench_gpu.train", *config]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(project / "src")}
+    if dry_run:
+        env["OMP_NUM_THREADS"] = "1"  # as torchrun sets for several ranks; on a GPU, rank 0's full init takes all
+    done = execute(cmd, project, env)
+    if done.returncode:
+        raise RunFailed(f"exit code {done.returncode}: {' '.join(cmd)}\n{done.stderr[-5000:]}")
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][warmup:]
+    from bench_gpu.config import load_config
+    from bench_gpu.plan import GIB, plan_for
+
+    peak, planned = max(r["peak_mem_gib"] for r in records), plan_for(load_config(config)).total / GIB
+    return {
+        "step_time_s": statistics.median(r["step_time_s"] for r in records),
+        "tokens_per_s": statistics.median(r["tokens_per_s_per_device"] for r in records),
+        # None where metrics.py knows no peak FLOP/s for this GPU (add it to PEAK_TFLOPS in hooks/presets.jinja).
+        "mfu_pct": statistics.median(r["mfu_pct"] for r in records) if records[0]["mfu_pct"] else None,
+        "peak_gib": peak,
+        "plan_gib": planned,
+        "peak_over_plan": peak / planned,
+    }
+
+
+def run_test_gpu(project: Path) -> dict:
+    """The project's tests/test_gpu.py: pytest's counts, and what each case measured and planned (GiB)."""
+    env = {**os.environ, "PYTHONPATH": f"{project / 'src'}:{project / 'tests'}"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "tests/test_gpu.py"]
+    done = execute(cmd, project, env)
+    summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
+    counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|error)", summary)}
+    if not counts:
+        raise RunFailed(f"pytest did not run: {' '.join(cmd)}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    figures = {k: float(counts.get(k, 0)) for k in ("passed", "failed", "skipped")}
+    for ac, measured, planned in re.findall(r"(\w+): measured ([\d.]+) GiB, planned ([\d.]+) GiB", done.stdout):
+        figures |= {f"{ac}_measured_gib": float(measured), f"{ac}_plan_gib": float(planned)}
+    return figures
+
+
+def measure(args, float8: bool) -> list[dict]:
+    steps, warmup = (4, 2) if args.dry_run else (args.steps, 5)
+    deadline = time.monotonic() + 60 * args.max_minutes
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        project = Path(tmp) / "gpu"
+        render(project, ANSWERS)
+        sys.path.insert(0, str(project / "src"))
+        for job, name in zip(RUNS, ROWS, strict=True):
+            if job in FLOAT8 and not float8:
+                continue
+            row = {"name": name, "figures": {}}
+            if time.monotonic() > deadline:
+                row["note"] = f"not run: past --max-minutes {args.max_minutes:g}"
+            else:
+                try:
+                    if job == TEST_GPU:
+                        row["figures"] = run_test_gpu(project)
+                    else:
+                        row["figures"] = run_variant(project, Path(tmp) / f"run-{len(rows)}", job, steps, warmup,
+                                                     args.dry_run)  # fmt: skip
+                except RunFailed as failure:
+                    row["note"], row["error"] = "failed (see its error in the JSON file)", str(failure)
+                    print(f"{name}: {failure}", file=sys.stderr)
+            rows.append(row)
+    compiled = next(r["figures"] for r in rows if r["name"] == Variant(True, "none").name)
+    for row in rows:
+        if row["name"].startswith("float8") and row["figures"] and compiled:
+            row["figures"]["tokens_over_compiled_bf16"] = row["figures"]["tokens_per_s"] / compiled["tokens_per_s"]
+    return rows
+
+
+def table(results: dict) -> str:
+    """The Markdown table of a results dict (what --json writes), with the machine line under it."""
+    lines = []
+    for row in results["rows"]:
+        f = row["figures"]
+        if row["name"] == TEST_GPU or not f:
+            continue
+        ratio = f"{f['tokens_over_compiled_bf16']:.2f}" if "tokens_over_compiled_bf16" in f else ""
+        mfu = "n/a" if f["mfu_pct"] is None else f"{f['mfu_pct']:.1f}%"
+        lines.append([row["name"], f"{f['step_time_s'] * 1e3:,.0f}", f"{f['tokens_per_s']:,.0f}", ratio, mfu,
+                      f"{f['peak_gib']:.1f}", f"{f['plan_gib']:.1f}", f"{f['peak_over_plan']:.2f}"])  # fmt: skip
+    header = ["run", "step ms", "tokens/s", "vs compiled bf16", "MFU", "peak GiB", "plan GiB", "peak / plan"]
+    out = [markdown(header, lines, "lrrrrrrr")]
+    test = next(row["figures"] for row in results["rows"] if row["name"] == TEST_GPU)
+    if test:
+        cases = [f"AC {key.removesuffix('_measured_gib')}: {test[key]:.2f} GiB measured, "
+                 f"{test[key.replace('_measured_', '_plan_')]:.2f} planned"
+                 for key in test if key.endswith("_measured_gib")]  # fmt: skip
+        counts = ", ".join(f"{test[k]:.0f} {k}" for k in ("passed", "failed", "skipped") if test[k])
+        out.append(f"{TEST_GPU}: {counts}" + (f" ({'; '.join(cases)})" if cases else ""))
+    out += [f"{row['name']}: {row['note']}" for row in results["rows"] if "note" in row]
+    if not results["float8"]:
+        out.append("float8: not run, this GPU has no float8 tensor cores (compute capability below 8.9)")
+    dry = " (--dry-run on CPU: a harness check, not a measurement)" if results["quick"] else ""
+    return "\n\n".join([*out, machine_line(results["machine"]) + dry])
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=30)
+    parser = arguments(__doc__.split("\n\n")[0], "--dry-run", "run every step on CPU with a tiny model and gloo")
+    parser.add_argument("--steps", type=int, default=20, help="steps per run; the first 5 are not timed")
+    parser.add_argument("--max-minutes", type=float, default=8.0, help="start no run after this many minutes")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        project = Path(tmp) / "gpu"
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            answers = {"package_name": "bench_gpu", "model_size": "1b", "gpus_per_node": 1, "gpu_memory_gb": 80,
-                       "seq_len": 4096, "micro_batch_size": 2, "mixed_precision": "bf16",
-                       "sharding": "full"}  # fmt: skip
-            copier.run_copy(str(ROOT), str(project), data=answers, defaults=True, unsafe=False,
-                            settings=copier.Settings(), vcs_ref="HEAD", quiet=True)  # fmt: skip
-        sys.path.insert(0, str(project / "src"))
-        from bench_gpu.config import load_config
-        from bench_gpu.plan import GIB, plan_for
+    if args.from_json:
+        print(table(json.loads(args.from_json.read_text())))
+        return
+    import torch
 
-        env = {**os.environ, "PYTHONPATH": str(project / "src")}
-        import torch
-
-        float8 = torch.cuda.get_device_capability() >= (8, 9)
-        print("| compile | activation checkpointing | float8 | tokens/s/GPU | vs bf16 | MFU | peak GiB | peak / plan |")
-        print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |")
-        bf16_tps = None
-        for compile_, ac, recipe in VARIANTS + (FLOAT8 if float8 else []):
-            run = Path(tmp) / f"run-{compile_}-{ac}-{recipe}"
-            overrides = ["--train.steps", str(args.steps), "--train.warmup_steps", "5", "--checkpoint.interval",
-                         "100000", "--checkpoint.export", "none", "--parallel.compile", str(compile_ == "on"),
-                         "--parallel.activation_checkpointing", ac, "--metrics.progress_bar", "False",
-                         "--parallel.float8", recipe, "--eval.interval", "0"]  # fmt: skip
-            config = ["--config", str(project / "configs" / "1b.toml"), "--run_dir", str(run), *overrides]
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
-                   "-m", "bench_gpu.train", *config]  # fmt: skip
-            subprocess.run(cmd, cwd=project, env=env, check=True)
-            records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][5:]
-            tps = statistics.median(r["tokens_per_s_per_device"] for r in records)
-            mfu = statistics.median(r["mfu_pct"] or 0 for r in records)
-            peak = max(r["peak_mem_gib"] for r in records)
-            planned = plan_for(load_config(config)).total / GIB
-            if (compile_, recipe) == ("on", "none"):
-                bf16_tps = tps
-            ratio = f"{tps / bf16_tps:.2f}" if recipe != "none" and bf16_tps else ""
-            cells = [compile_, ac, recipe, f"{tps:,.0f}", ratio, f"{mfu:.1f}%", f"{peak:.1f}", f"{peak / planned:.2f}"]
-            print("| " + " | ".join(cells) + " |")
-        if not float8:
-            print("float8 rows skipped: this GPU has no float8 tensor cores (compute capability below 8.9)")
+    if not args.dry_run and not torch.cuda.is_available():
+        sys.exit(f"bench/gpu.py: no CUDA GPU here (torch {torch.__version__} sees none); run it on a machine "
+                 "with one, or add --dry-run to check it on CPU")  # fmt: skip
+    float8 = args.dry_run or torch.cuda.get_device_capability() >= (8, 9)
+    machine = host_machine() if args.dry_run else gpu_machine()
+    results = {"bench": "gpu", "quick": args.dry_run, "machine": machine, "float8": float8,
+               "rows": measure(args, float8)}  # fmt: skip
+    save(results, args.json)
+    print(table(results))
+    if any("error" in row for row in results["rows"]):
+        sys.exit("bench/gpu.py: some runs failed (their rows say so); the other figures are in the table")
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_map
 
 from .config import JOB_WIDE, CheckpointConfig, Config, UsageError
+from .data import UNRECORDED_ORDER
 from .strategy import Strategy
 
 logger = logging.getLogger(__name__)
@@ -70,21 +71,29 @@ class TrainState(Stateful):
             "step": self.step,
         }
         if not self.loader.rank_sharded:
-            state["data"] = self.loader.state_dict()
+            state["data"] = self._data_state("data")
         if self.restore_per_rank:
-            state[f"rank{self.rank}"] = {"rng": _rng_state(), "data": self.loader.state_dict()}
+            state[f"rank{self.rank}"] = {"rng": _rng_state(), "data": self._data_state(f"rank{self.rank}.data")}
         return state
 
     def load_state_dict(self, state: dict) -> None:
         self.strategy.load_state_dict(self.model, self.optimizer, state["model"], state["optim"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = int(state["step"])
+        # Checkpoints saved before the data order was recorded read the order UNRECORDED_ORDER names.
         if not self.loader.rank_sharded:
-            self.loader.load_state_dict(state["data"])
+            self.loader.load_state_dict({"order": UNRECORDED_ORDER, **state["data"]})
         if self.restore_per_rank:
             _set_rng_state(state[f"rank{self.rank}"]["rng"])
             if self.loader.rank_sharded:
-                self.loader.load_state_dict(state[f"rank{self.rank}"]["data"])
+                self.loader.load_state_dict({"order": UNRECORDED_ORDER, **state[f"rank{self.rank}"]["data"]})
+
+    def _data_state(self, key: str) -> dict:
+        """The loader's state; while loading, only the entries the checkpoint has (DCP refuses missing ones)."""
+        state = self.loader.state_dict()
+        if self.saved_keys is None:
+            return state
+        return {name: value for name, value in state.items() if f"{CHECKPOINT_KEY}.{key}.{name}" in self.saved_keys}
 
     def _saved_optim_keys(self) -> set[str] | None:
         """The optimizer's keys in the checkpoint being loaded (`state.<param>.exp_avg`, ...); None while saving."""

@@ -182,6 +182,12 @@ class DataConfig:
     """uneven_inputs=join: raise on every rank as soon as one runs out (Join's throw_on_early_termination)."""
     synthetic_branching: int = 2
     """Successors per token in the synthetic chain; the loss floor is ln(branching)."""
+    workers: int = 0
+    """Processes per rank that build batches ahead of the step (a DataLoader); 0: a thread of the training process."""
+    prefetch: int = 2
+    """Steps of batches built ahead (per worker with workers > 0); 0 with workers = 0: each step builds its own."""
+    pin_memory: bool = True
+    """On a GPU, build batches in page-locked memory so that their copy to the device overlaps the step."""
 
 
 @dataclass
@@ -330,6 +336,12 @@ class Config:
         require(c.export_file_gb > 0, f"checkpoint.export_file_gb={c.export_file_gb} must be positive")
         require(c.keep_last >= 1, f"checkpoint.keep_last={c.keep_last} must be at least 1")
         require(self.data.synthetic_branching >= 1, "data.synthetic_branching must be at least 1")
+        require(d.workers >= 0, f"data.workers={d.workers} must be 0 (a thread builds the batches) or more")
+        require(
+            d.prefetch >= (1 if d.workers else 0),
+            f"data.prefetch={d.prefetch} must be at least {1 if d.workers else 0}"
+            + (f" with data.workers={d.workers}: each worker builds at least one step ahead" if d.workers else ""),
+        )
         errors += self.finetune_errors()
         errors += self.eval_errors()
         require(self.metrics.log_every > 0, f"metrics.log_every={self.metrics.log_every} must be positive")

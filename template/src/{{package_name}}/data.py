@@ -1,11 +1,19 @@
-"""Batches that are the same at every world size, resumable from a position.
+"""Batches that are the same at every world size, resumable from a position, read ahead of the step.
 
 With `data.shard_by = "global"` (the default) each optimizer step reads one *global* batch,
-identified by its index: every rank builds (or reads) the same global batch, keeps its own
-contiguous slice and splits that into micro-batches. The only state is the index of the next
-global batch, which does not depend on the world size, so a checkpoint taken on 2 ranks resumes
-exactly on 1 or 4. The data repeats, reshuffled each epoch, so every rank always has a batch
-and all ranks take the same number of steps (FSDP modules cannot `Join`).
+identified by its index: rank r of N reads samples r * B / N to (r + 1) * B / N of it (B the
+global batch size), only those, and splits them into micro-batches. The only state is the index
+of the next global batch, which does not depend on the world size, so a checkpoint taken on 2
+ranks resumes exactly on 1 or 4. The data repeats, reshuffled each epoch, so every rank always has
+a batch and all ranks take the same number of steps (FSDP modules cannot `Join`).
+
+Token files and image folders are read in a seeded order per epoch that costs the same to look up
+at any position of any epoch, whatever the size of the data (Shuffle: nothing is drawn or stored
+per window). Generated data draws each global batch from a random stream of its own, so there
+every rank draws it and keeps its slice; it has no files to read.
+
+Batches are built ahead of the step that needs them: by `data.workers` DataLoader processes, or
+by a thread of the training process (`data.prefetch` batches ahead; Loader).
 
 With `data.shard_by = "rank"` each rank reads its own part (a file per rank, `{rank}` in
 `data.path`, or its slice of one file) in order, once: ranks may run out at different steps, and
@@ -15,10 +23,11 @@ Validation reads held-out data that training never reads (build_held_out): gener
 random streams of its own, token files and image folders from `eval.path` or, without one, from
 the tail of `data.path` (`eval.fraction`), which training then leaves out.
 
-    python -m <package>.data prepare --dataset DIR --tokenizer DIR --out tokens.bin
+    python -m <package>.data prepare --dataset DIR_OR_FILES... --tokenizer DIR --out tokens.bin
     python -m <package>.data prepare --jsonl chats.jsonl --tokenizer DIR --out sft.bin
 
-turn a local Hugging Face dataset and tokenizer into a token file for `data.source = "memmap"`,
+turn local text (a Hugging Face dataset directory, .parquet, .jsonl or .txt files, globs of
+them; corpus.py streams it) and a tokenizer into a token file for `data.source = "memmap"`,
 or chats into a token file and its mask of scored targets for `data.source = "sft"` (prepare_sft),
 and a held-out share of their rows into val.bin beside it (for `eval.path`).
 """
@@ -26,17 +35,25 @@ and a held-out share of their rows into val.bin beside it (for `eval.path`).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import math
+import mmap
+import os
+import queue
 import sys
+import threading
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.utils.data import DataLoader, Dataset
 
 from .config import EXIT_USAGE, JOB_WIDE, Config, UsageError
+from .corpus import Outputs, default_processes, find_inputs, load_tokenizer, token_dtype, tokenize_corpus
 
 logger = logging.getLogger(__name__)
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -54,6 +71,141 @@ def _stream(index: int, held_out: bool) -> int:
     """Generator index of batch `index`: training counts up from 0, held-out data down from -2 (-1 draws
     the data's own structure), so the two splits never share a random stream."""
     return -2 - index if held_out else index
+
+
+_M64 = 2**64
+
+
+def _mix(z: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser on uint64 arrays: a bijective hash whose every output bit depends on every input bit."""
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+class Shuffle:
+    """A seeded permutation of range(size), a different one per epoch, looked up at any position in O(1).
+
+    Sample i of a run is item self(i) of epoch i // size. The permutation is a Feistel network on
+    a grid of rows x cols >= size cells (both about sqrt(size)): a position is a (row, col) pair,
+    and each round swaps the pair and adds a hash of one part (and of the seed, epoch and round)
+    to the other, modulo its range, which is a bijection whatever the hash. Cycle walking keeps it
+    one of range(size): a position that lands on one of the few cells past `size` (fewer than
+    rows + cols) is permuted again. Nothing is drawn or stored per item: a lookup costs the same
+    in a file of 10 M tokens as in one of 10 B.
+    """
+
+    ROUNDS = 6
+
+    def __init__(self, size: int, seed: int):
+        self.size, self.seed = size, seed
+        rows = math.isqrt(size - 1) + 1  # ceil(sqrt(size))
+        self.grid, self.keys = (rows, -(-size // rows)), {}
+
+    def __call__(self, samples: np.ndarray) -> np.ndarray:
+        epochs, positions = np.divmod(np.asarray(samples, dtype=np.int64), self.size)
+        if epochs.min() == epochs.max():
+            return self._walk(positions.astype(np.uint64), self._keys(int(epochs[0])))
+        items = np.empty_like(positions)
+        for epoch in np.unique(epochs).tolist():  # a batch that spans the end of an epoch
+            here = epochs == epoch
+            items[here] = self._walk(positions[here].astype(np.uint64), self._keys(epoch))
+        return items
+
+    def _keys(self, epoch: int) -> np.ndarray:
+        """The round keys of an epoch: hashes of the seed, the epoch and the round (the last two epochs' kept)."""
+        if epoch not in self.keys:
+            base = _mix(np.array([epoch % _M64], dtype=np.uint64) + np.uint64(0x9E3779B97F4A7C15))
+            base = _mix(base ^ np.uint64(self.seed % _M64))
+            rounds = np.arange(1, self.ROUNDS + 1, dtype=np.uint64) * np.uint64(0xD1B54A32D192ED03)
+            self.keys = {e: k for e, k in self.keys.items() if e >= epoch - 1} | {epoch: _mix(base + rounds)}
+        return self.keys[epoch]
+
+    def _walk(self, positions: np.ndarray, keys: np.ndarray) -> np.ndarray:
+        items = self._permute(positions, keys)
+        outside = items >= self.size
+        while outside.any():
+            items[outside] = self._permute(items[outside], keys)
+            outside = items >= self.size
+        return items.astype(np.int64)
+
+    def _permute(self, x: np.ndarray, keys: np.ndarray) -> np.ndarray:
+        rows, cols = (np.uint64(n) for n in self.grid)
+        left, right = x // cols, x % cols
+        for key in keys:
+            left, right = right, (left + _mix(right ^ key) % rows) % rows
+            rows, cols = cols, rows
+        return left * cols + right
+
+
+class Randperm:
+    """The order of runs saved before Shuffle: a torch.randperm of every item per epoch (O(items) per epoch).
+
+    Only for resuming their checkpoints exactly (Loader.load_state_dict); each epoch's permutation
+    is drawn once and kept while the epoch is read.
+    """
+
+    def __init__(self, size: int, seed: int):
+        self.size, self.seed, self.epochs = size, seed, {}
+
+    def __call__(self, samples: np.ndarray) -> np.ndarray:
+        epochs, positions = np.divmod(np.asarray(samples, dtype=np.int64), self.size)
+        for epoch in set(epochs.tolist()) - self.epochs.keys():
+            self.epochs = {e: p for e, p in self.epochs.items() if e >= epoch - 1}  # this epoch and the last
+            self.epochs[epoch] = torch.randperm(self.size, generator=_generator(self.seed, epoch)).numpy()
+        return np.array([self.epochs[e][p] for e, p in zip(epochs.tolist(), positions.tolist(), strict=True)])
+
+
+ORDERS = {"shuffle": Shuffle, "randperm": Randperm}
+"""The orders a token file or image folder can be read in, by the name a checkpoint records (Loader.state_dict)."""
+ORDER = "shuffle"
+"""The order new runs read."""
+UNRECORDED_ORDER = "randperm"
+"""The order of the runs whose checkpoints record none: they were saved before Shuffle."""
+
+
+class IndexedSource:
+    """Items (windows of a token file, images) read as samples in an order reshuffled per epoch.
+
+    Sample i of the run is item order(i) of epoch i // len(self). A subclass sets self.seed and
+    self.order and implements __len__ and take(first, count, shuffle).
+    """
+
+    seed: int
+    order: Shuffle | Randperm
+    mapped: tuple[str, ...] = ()
+    """Attributes that hold a file's memory map (map_file), opened on first use."""
+
+    def use_order(self, name: str) -> None:
+        self.order = ORDERS[name](len(self), self.seed)
+
+    def items(self, first: int, count: int, shuffle: bool = True) -> np.ndarray:
+        """The items that samples first .. first + count - 1 read: shuffled per epoch, or in file order."""
+        samples = np.arange(first, first + count)
+        return self.order(samples) if shuffle else samples % len(self)
+
+    def batch(self, index: int, size: int, shuffle: bool = True) -> Batch:
+        """Global batch `index` of `size` samples (every rank's share of it)."""
+        return self.take(index * size, size, shuffle)
+
+    def __getstate__(self) -> dict:
+        # A DataLoader worker started by spawn (macOS, Windows) gets a copy of the source: it maps the
+        # files again there rather than receive their contents.
+        return {k: None if k in self.mapped else v for k, v in self.__dict__.items()}
+
+
+def map_file(path: Path, dtype, bounds: tuple[int, int]) -> np.ndarray:
+    """Items bounds[0] .. bounds[1] - 1 of a file of `dtype` items, memory-mapped read-only.
+
+    Windows are read at random places: MADV_RANDOM tells the kernel not to read ahead of each one
+    (by default it reads 128 KiB or more around every page fault, which is most of the I/O of a
+    file much larger than memory).
+    """
+    with path.open("rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    if hasattr(mapped, "madvise"):  # not on Windows
+        mapped.madvise(mmap.MADV_RANDOM)
+    return np.frombuffer(mapped, dtype=dtype)[slice(*bounds)]
 
 
 class SyntheticTokens:
@@ -77,11 +229,12 @@ class SyntheticTokens:
         return tokens[:, :-1], tokens[:, 1:]
 
 
-class MemmapTokens:
+class MemmapTokens(IndexedSource):
     """Windows of seq_len + 1 tokens from a flat token file, in a seeded order reshuffled per epoch.
 
     `tail` is the share at the end of the file held out for validation: training reads the rest,
-    `held_out=True` reads only that tail.
+    `held_out=True` reads only that tail. The file is memory-mapped on first use (in a DataLoader
+    worker, by the worker).
     """
 
     def __init__(
@@ -90,38 +243,47 @@ class MemmapTokens:
     ):  # fmt: skip
         if not path.is_file():
             raise UsageError(f"data.path={path}: no such token file (python -m {__package__}.data prepare writes one)")
-        tokens = _split(np.memmap(path, dtype=dtype, mode="r"), tail, held_out)
+        begin, end = _bounds(path.stat().st_size // np.dtype(dtype).itemsize, tail, held_out)
         if part is not None:  # this rank's contiguous slice of one shared file
             index, count = part
-            tokens = tokens[index * len(tokens) // count : (index + 1) * len(tokens) // count]
-        self.tokens, self.seq_len, self.seed = tokens, seq_len, seed
-        self.windows = (len(tokens) - 1) // seq_len
+            begin, end = begin + index * (end - begin) // count, begin + (index + 1) * (end - begin) // count
+        self.path, self.dtype, self.bounds, self._tokens = path, dtype, (begin, end), None
+        self.seq_len, self.seed = seq_len, seed
+        self.windows = (end - begin - 1) // seq_len
         if self.windows < 1:
             what = f"{path} (its held-out tail, eval.fraction={tail})" if held_out else str(path)
-            raise UsageError(f"{what} holds {len(tokens)} tokens, fewer than one sequence of {seq_len + 1}")
+            raise UsageError(f"{what} holds {end - begin} tokens, fewer than one sequence of {seq_len + 1}")
+        self.order = Shuffle(self.windows, seed)
+
+    mapped = ("_tokens",)
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """The tokens this source reads from (its part of the file)."""
+        if self._tokens is None:
+            self._tokens = map_file(self.path, self.dtype, self.bounds)
+        return self._tokens
 
     def __len__(self) -> int:
         return self.windows
 
     def start(self, sample: int, shuffle: bool = True) -> int:
         """Where sample `sample`'s window of seq_len + 1 tokens starts in self.tokens."""
-        epoch, position = divmod(sample, self.windows)
-        w = int(torch.randperm(self.windows, generator=_generator(self.seed, epoch))[position]) if shuffle else position
-        return w * self.seq_len
+        return int(self.items(sample, 1, shuffle)[0]) * self.seq_len
 
-    def window(self, sample: int, shuffle: bool = True) -> torch.Tensor:
-        start = self.start(sample, shuffle)
-        return torch.from_numpy(self.tokens[start : start + self.seq_len + 1].astype(np.int64))
+    def take(self, first: int, count: int, shuffle: bool = True) -> Batch:
+        """(inputs, targets) of samples first .. first + count - 1: each window's tokens, and them shifted by one."""
+        return self._windows(self.items(first, count, shuffle) * self.seq_len)
 
-    def batch(self, index: int, size: int, shuffle: bool = True) -> Batch:
-        tokens = torch.stack([self.window(index * size + i, shuffle) for i in range(size)])
+    def _windows(self, starts: np.ndarray) -> Batch:
+        tokens = torch.from_numpy(np.stack([self.tokens[s : s + self.seq_len + 1] for s in starts]).astype(np.int64))
         return tokens[:, :-1], tokens[:, 1:]
 
 
-def _split(array: np.ndarray, tail: float, held_out: bool) -> np.ndarray:
-    """The last `tail` share of `array` when `held_out`, else the rest."""
-    cut = len(array) - int(len(array) * tail)
-    return array[cut:] if held_out else array[:cut]
+def _bounds(length: int, tail: float, held_out: bool) -> tuple[int, int]:
+    """Where the last `tail` share of `length` items begins and ends when `held_out`, else the rest."""
+    cut = length - int(length * tail)
+    return (cut, length) if held_out else (0, cut)
 
 
 def mask_path(path: Path) -> Path:
@@ -141,13 +303,21 @@ class MaskedTokens(MemmapTokens):
     def __init__(self, path: Path, dtype: str, seq_len: int, seed: int, tail: float = 0.0, held_out: bool = False):
         super().__init__(path, dtype, seq_len, seed, tail=tail, held_out=held_out)
         check_mask(path, dtype)
-        self.mask = _split(np.memmap(mask_path(path), dtype=np.uint8, mode="r"), tail, held_out)
+        self._mask = None
 
-    def batch(self, index: int, size: int, shuffle: bool = True) -> Batch:
-        starts = [self.start(index * size + i, shuffle) for i in range(size)]
-        tokens = torch.stack([torch.from_numpy(self.tokens[s : s + self.seq_len + 1].astype(np.int64)) for s in starts])
-        scored = torch.stack([torch.from_numpy(self.mask[s + 1 : s + self.seq_len + 1] != 0) for s in starts])
-        return tokens[:, :-1], tokens[:, 1:].masked_fill(~scored, IGNORE_INDEX)
+    mapped = ("_tokens", "_mask")
+
+    @property
+    def mask(self) -> np.ndarray:
+        """1 where the token at the same place of self.tokens is scored."""
+        if self._mask is None:
+            self._mask = map_file(mask_path(self.path), np.uint8, self.bounds)
+        return self._mask
+
+    def _windows(self, starts: np.ndarray) -> Batch:
+        inputs, targets = super()._windows(starts)
+        scored = torch.from_numpy(np.stack([self.mask[s + 1 : s + self.seq_len + 1] for s in starts]) != 0)
+        return inputs, targets.masked_fill(~scored, IGNORE_INDEX)
 
 
 def check_mask(path: Path, dtype: str, key: str = "") -> None:
@@ -179,41 +349,54 @@ class SyntheticImages:
         return self.prototypes[labels] + torch.randn(size, *self.shape, generator=g), labels
 
 
-class ImageFolder:
+class ImageFolder(IndexedSource):
     """`<root>/<class>/<image>` files (anything Pillow reads), resized, in a seeded order per epoch.
 
     `tail` is the share of each class's files (the last in name order, but never all) held out for
-    validation: training reads the rest, `held_out=True` reads only those.
+    validation: training reads the rest, `held_out=True` reads only those. The file names are kept
+    in one numpy array rather than a list of Path objects: DataLoader workers share it with the
+    training process, where the reference counts of a million Python objects would be copied into
+    every worker as they are touched.
     """
 
     def __init__(self, root: Path, image_size: int, channels: int, seed: int, tail: float = 0.0, held_out=False):
-        self.samples = []
-        for label, files in enumerate(_image_files(root).values()):
-            cut = len(files) - min(math.ceil(len(files) * tail), len(files) - 1)
-            self.samples += [(f, label) for f in (files[cut:] if held_out else files[:cut])]
-        if not self.samples:
+        files, labels = [], []
+        for label, names in enumerate(_image_files(root).values()):
+            cut = len(names) - min(math.ceil(len(names) * tail), len(names) - 1)
+            chosen = names[cut:] if held_out else names[:cut]
+            files += [os.fsencode(f) for f in chosen]
+            labels += [label] * len(chosen)
+        if not files:
             what = "no held-out files (raise eval.fraction or set eval.path)" if held_out else "none"
             raise UsageError(f"data.path={root}: expected <class>/<image> files, found {what}")
+        self.files, self.labels = np.array(files, dtype=np.bytes_), np.array(labels, dtype=np.int64)
         self.image_size, self.mode, self.seed = image_size, {1: "L", 3: "RGB"}[channels], seed
+        self.order = Shuffle(len(files), seed)
 
-    def load(self, sample: int) -> tuple[torch.Tensor, int]:
+    @property
+    def samples(self) -> list[tuple[Path, int]]:
+        """(file, label) of every image, classes in name order and the files of each in name order."""
+        return [(Path(os.fsdecode(f)), int(label)) for f, label in zip(self.files, self.labels, strict=True)]
+
+    def load(self, sample: int, shuffle: bool = True) -> tuple[torch.Tensor, int]:
+        """Sample `sample`'s image, resized to image_size and scaled to [-1, 1], and its label."""
+        item = int(self.items(sample, 1, shuffle)[0])
+        return self._decode(item), int(self.labels[item])
+
+    def take(self, first: int, count: int, shuffle: bool = True) -> Batch:
+        items = self.items(first, count, shuffle)
+        return torch.stack([self._decode(item) for item in items]), torch.from_numpy(self.labels[items])
+
+    def _decode(self, item: int) -> torch.Tensor:
         from PIL import Image  # only this source needs Pillow
 
-        epoch, position = divmod(sample, len(self.samples))
-        path, label = self.samples[
-            int(torch.randperm(len(self.samples), generator=_generator(self.seed, epoch))[position])
-        ]
-        with Image.open(path) as image:
+        with Image.open(os.fsdecode(self.files[item])) as image:
             image = image.convert(self.mode).resize((self.image_size, self.image_size))
             pixels = torch.from_numpy(np.asarray(image, dtype=np.float32) / 127.5 - 1.0)
-        return (pixels.unsqueeze(0) if pixels.ndim == 2 else pixels.permute(2, 0, 1)), label
-
-    def batch(self, index: int, size: int) -> Batch:
-        loaded = [self.load(index * size + i) for i in range(size)]
-        return torch.stack([x for x, _ in loaded]), torch.tensor([y for _, y in loaded])
+        return pixels.unsqueeze(0) if pixels.ndim == 2 else pixels.permute(2, 0, 1)
 
     def __len__(self) -> int:
-        return len(self.samples)
+        return len(self.files)
 
 
 def _image_files(root: Path) -> dict[str, list[Path]]:
@@ -222,19 +405,102 @@ def _image_files(root: Path) -> dict[str, list[Path]]:
     return {c: sorted(f for f in (root / c).iterdir() if f.is_file()) for c in classes}
 
 
+class Steps(Dataset):
+    """Step index -> this rank's (inputs, targets) of that step, on the CPU.
+
+    What a DataLoader worker or the prefetch thread runs. From an IndexedSource a rank reads only
+    its own samples of each global batch; generated data is drawn whole (one random stream per
+    batch) and sliced. Per-rank data (rank_sharded) is read in file order.
+    """
+
+    def __init__(self, source, rank: int, per_rank: int, global_batch_size: int, rank_sharded: bool):
+        self.source, self.rank, self.per_rank, self.global_batch_size = source, rank, per_rank, global_batch_size
+        self.rank_sharded = rank_sharded
+
+    def __getitem__(self, step: int) -> Batch:
+        if self.rank_sharded:
+            return self.source.take(step * self.per_rank, self.per_rank, shuffle=False)
+        first = self.rank * self.per_rank
+        if isinstance(self.source, IndexedSource):
+            return self.source.take(step * self.global_batch_size + first, self.per_rank)
+        inputs, targets = self.source.batch(step, self.global_batch_size)
+        return inputs[first : first + self.per_rank], targets[first : first + self.per_rank]
+
+
+class Prefetch:
+    """Builds the batches of `steps` in a thread, up to `depth` ahead of the loop that takes them (next()).
+
+    The work is numpy and torch calls that release the GIL, so it overlaps the training step; an
+    error in the thread is raised by the next() that would have returned its batch.
+    """
+
+    def __init__(self, read, steps: Iterable[int], depth: int, pin_memory: bool):
+        self.ready: queue.Queue = queue.Queue(depth)
+        self.stopped, self.ended = threading.Event(), False
+        self.thread = threading.Thread(target=self._fill, args=(read, steps, pin_memory), daemon=True)
+        self.thread.start()
+
+    def _fill(self, read, steps: Iterable[int], pin_memory: bool) -> None:
+        try:
+            for step in steps:
+                batch = read(step)
+                if not self._put(tuple(t.pin_memory() for t in batch) if pin_memory else batch):
+                    return
+        except Exception as error:  # noqa: BLE001 - handed to the training loop, which raises it
+            self._put(error)
+            return
+        self._put(None)
+
+    def _put(self, item) -> bool:
+        """Queue `item` unless close() was called first."""
+        while not self.stopped.is_set():
+            try:
+                self.ready.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> Batch:
+        item = None if self.ended else self.ready.get()
+        if isinstance(item, Exception):
+            raise item
+        if item is None:
+            self.ended = True
+            raise StopIteration
+        return item
+
+    def close(self) -> None:
+        self.stopped.set()
+        self.thread.join()
+
+
 class Loader:
-    """This rank's micro-batches of each step, in order, from a global or a per-rank source."""
+    """This rank's micro-batches of each step, in order, built ahead of the step that takes them.
+
+    `data.workers` DataLoader processes build them (each a whole step's batch, `data.prefetch`
+    steps ahead each), or without workers a thread does (`data.prefetch` steps ahead; 0: the step
+    builds its own). With `data.pin_memory` on an accelerator they are built in page-locked memory,
+    so the copy to the device does not block. The position is that of the next step the loop
+    takes, not of what was built ahead: a checkpoint resumes on the step after the last trained.
+    """
 
     def __init__(
         self, source, cfg: Config, rank: int, world_size: int, device: torch.device, rank_sharded: bool | None = None
     ):
-        t = cfg.train
+        t, d = cfg.train, cfg.data
         self.grad_accum_steps = grad_accum_steps(t.global_batch_size, t.micro_batch_size, world_size)
         self.source, self.device, self.rank = source, device, rank
         self.global_batch_size, self.micro_batch_size = t.global_batch_size, t.micro_batch_size
         self.per_rank = t.global_batch_size // world_size
         self.rank_sharded = cfg.data.shard_by == "rank" if rank_sharded is None else rank_sharded
-        self.position = 0
+        self.steps = Steps(source, rank, self.per_rank, t.global_batch_size, self.rank_sharded)
+        self.workers, self.prefetch, self.seed = d.workers, d.prefetch, t.seed
+        self.pin_memory = d.pin_memory and device.type in ("cuda", "xpu")
+        self.position, self.order, self.ahead = 0, ORDER, None
 
     def local_steps(self) -> int | None:
         """Steps of data this rank has (None when the data repeats forever)."""
@@ -242,23 +508,55 @@ class Loader:
 
     def next_batches(self) -> list[Batch]:
         """(inputs, targets) per micro-batch of the next step; StopIteration when per-rank data ran out."""
-        if self.rank_sharded:
-            if self.position >= self.local_steps():
-                raise StopIteration
-            inputs, targets = self.source.batch(self.position, self.per_rank, shuffle=False)
-        else:
-            inputs, targets = self.source.batch(self.position, self.global_batch_size)
-            mine = slice(self.rank * self.per_rank, (self.rank + 1) * self.per_rank)
-            inputs, targets = inputs[mine], targets[mine]
+        if self.ahead is None:
+            self.ahead = self._read_ahead()
+        inputs, targets = next(self.ahead)
         self.position += 1
+        return self._micro_batches(inputs, targets)
+
+    def batches_at(self, step: int) -> list[Batch]:
+        """The micro-batches of step `step`, built now; the position does not move (HeldOut reads this way)."""
+        return self._micro_batches(*self.steps[step])
+
+    def _micro_batches(self, inputs: torch.Tensor, targets: torch.Tensor) -> list[Batch]:
         inputs, targets = inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
         return list(zip(inputs.split(self.micro_batch_size), targets.split(self.micro_batch_size), strict=True))
 
+    def _read_ahead(self) -> Iterable[Batch]:
+        steps = range(self.position, self.local_steps()) if self.rank_sharded else itertools.count(self.position)
+        if self.workers:
+            # Its own generator: the workers' seeds must not be drawn from the training RNG, which is checkpointed.
+            return iter(DataLoader(
+                self.steps, batch_size=None, sampler=steps, num_workers=self.workers, prefetch_factor=self.prefetch,
+                pin_memory=self.pin_memory, generator=torch.Generator().manual_seed(self.seed),
+            ))  # fmt: skip
+        if self.prefetch:
+            return Prefetch(self.steps.__getitem__, steps, self.prefetch, self.pin_memory)
+        return map(self.steps.__getitem__, steps)
+
+    def close(self) -> None:
+        """Stop building batches ahead (the thread, or the worker processes)."""
+        if isinstance(self.ahead, Prefetch):
+            self.ahead.close()
+        self.ahead = None  # a DataLoader's iterator shuts its workers down when it is dropped
+
     def state_dict(self) -> dict:
-        return {"position": self.position}
+        return {"position": self.position, "order": self.order}
 
     def load_state_dict(self, state: dict) -> None:
-        self.position = int(state["position"])
+        """Go on from `state`: its position, and the order its run read (ORDER unless it says otherwise)."""
+        self.close()
+        self.position, self.order = int(state["position"]), state.get("order", self.order)
+        if self.order not in ORDERS:
+            raise UsageError(
+                f"the checkpoint's data was read in order {self.order!r}, which this version does not know "
+                f"({', '.join(ORDERS)}): resume it with the version of the code that saved it"
+            )
+        if isinstance(self.source, IndexedSource):
+            self.source.use_order(self.order)
+            if self.order != ORDER:
+                logger.info("the data goes on in the order its run read (%s), not %s: its checkpoint says so",
+                            self.order, ORDER)  # fmt: skip
 
 
 def grad_accum_steps(global_batch_size: int, micro_batch_size: int, world_size: int) -> int:
@@ -371,8 +669,7 @@ class HeldOut:
 
     def __iter__(self):
         for index in range(self.batches):
-            self.loader.position = index
-            yield self.loader.next_batches()
+            yield self.loader.batches_at(index)
 
     def __len__(self) -> int:
         return self.batches
@@ -408,38 +705,52 @@ def build_held_out(cfg: Config, rank: int, world_size: int, device: torch.device
     return HeldOut(Loader(source, cfg, rank, world_size, device, rank_sharded=False), e.batches, e.interval)
 
 
-def _tokenizer(path: Path):
-    """The tokenizer in a local directory (nothing is downloaded)."""
-    from transformers import AutoTokenizer
+def held_out_count(rows: int, val_fraction: float) -> int:
+    """How many of `rows` rows `data prepare` holds out: val_fraction of them, rounded up, leaving some to train on."""
+    count = math.ceil(rows * val_fraction)
+    if count >= rows:
+        raise UsageError(
+            f"--val-fraction {val_fraction} of {rows} rows leaves none to train on: add rows, lower --val-fraction, "
+            "or pass 0 and set eval.interval = 0"
+        )
+    return count
 
-    if not path.is_dir():
-        raise UsageError(f"--tokenizer {path}: no such directory (a local tokenizer, as save_pretrained writes it)")
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+class HeldOutRows:
+    """The rows of a corpus that `data prepare` holds out: `count` of its `rows`, picked at random with `seed`.
+
+    Those whose place in a Shuffle of the rows is among the first `count`: each row is decided on
+    its own, by its index, before the corpus has been read.
+    """
+
+    def __init__(self, rows: int, count: int, seed: int):
+        self.shuffle, self.count = Shuffle(rows, seed), count
+
+    def __call__(self, indices: np.ndarray) -> np.ndarray:
+        return self.shuffle(indices) < self.count
 
 
 def prepare(
-    dataset: Path, tokenizer: Path, out: Path, text_column: str = "text", val_fraction: float = 0.01, seed: int = 0
-) -> int:
-    """Tokenize a local Hugging Face dataset into a flat token file, and a held-out share of its rows
-    (picked at random with `seed`) into val.bin beside it; return the training token count."""
-    from datasets import load_from_disk
-
-    tok = _tokenizer(tokenizer)
-    data = load_from_disk(str(dataset))
-    splits = {out: data}
-    if val_fraction > 0:
-        split = data.train_test_split(test_size=val_fraction, seed=seed)
-        splits = {out: split["train"], out.with_name("val.bin"): split["test"]}
-    dtype = np.uint16 if len(tok) <= 2**16 else np.uint32
-    eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
-    counts = []
-    out.parent.mkdir(parents=True, exist_ok=True)
-    for path, rows in splits.items():
-        ids = [i for row in rows[text_column] for i in tok(row)["input_ids"] + eos]
-        np.asarray(ids, dtype=dtype).tofile(path)
-        counts.append(len(ids))
-        print(f"wrote {len(ids)} {np.dtype(dtype).name} tokens to {path} (data.dtype = {np.dtype(dtype).name!r})")
-    return counts[0]
+    dataset: str | Path | Sequence[str | Path], tokenizer: Path, out: Path, text_column: str = "text",
+    val_fraction: float = 0.01, seed: int = 0, processes: int = 1,
+) -> int:  # fmt: skip
+    """Tokenize local text (a Hugging Face dataset directory, .parquet, .jsonl or .txt files, directories or globs
+    of them: corpus.find_inputs) into a flat token file, streamed by `processes` workers, and a held-out share of
+    its rows (val_fraction of them, rounded up, picked at random with `seed`) into val.bin beside it; return the
+    training token count. The rows keep their input order; nothing replaces an earlier output until all is written.
+    """
+    inputs = find_inputs([dataset] if isinstance(dataset, str | Path) else dataset, text_column)
+    rows = sum(i.rows for i in inputs)
+    count = held_out_count(rows, val_fraction)
+    dtype = token_dtype(load_tokenizer(tokenizer))
+    val = out.with_name("val.bin") if count else None
+    with Outputs([out, val] if val else [out]) as outputs:
+        counts = tokenize_corpus(inputs, tokenizer, text_column, outputs, out, val, HeldOutRows(rows, count, seed),
+                                 processes)  # fmt: skip
+        outputs.commit()
+    for path, tokens in counts.items():
+        print(f"wrote {tokens} {dtype.name} tokens to {path} (data.dtype = {dtype.name!r})")
+    return counts[out]
 
 
 ROW_FORMS = '{"messages": [{"role": ..., "content": ...}, ...]} or {"prompt": ..., "response": ...}'
@@ -530,7 +841,7 @@ def prepare_sft(jsonl: Path, tokenizer: Path, out: Path, val_fraction: float = 0
     Every row is read and checked before anything is written.
     """
     chats = read_chats(jsonl)  # before the tokenizer loads: a bad row is refused at once
-    tok = _tokenizer(tokenizer)
+    tok = load_tokenizer(tokenizer)
     if not getattr(tok, "chat_template", None):
         raise UsageError(f"--tokenizer {tokenizer} has no chat template (chat_template in tokenizer_config.json)")
     if not tok.is_fast:
@@ -538,37 +849,34 @@ def prepare_sft(jsonl: Path, tokenizer: Path, out: Path, val_fraction: float = 0
     examples = [encode_chat(tok, messages, where) for where, messages in chats]
     held_out: set[int] = set()
     if val_fraction > 0:
-        count = math.ceil(len(examples) * val_fraction)
-        if count >= len(examples):
-            raise UsageError(
-                f"--val-fraction {val_fraction} of {len(examples)} rows leaves none to train on: add rows, lower "
-                "--val-fraction, or pass 0 and set eval.interval = 0"
-            )
+        count = held_out_count(len(examples), val_fraction)
         held_out = set(np.random.default_rng(seed).permutation(len(examples))[:count].tolist())
     splits = {out: [e for i, e in enumerate(examples) if i not in held_out]}
     if held_out:
         splits[out.with_name("val.bin")] = [examples[i] for i in sorted(held_out)]
-    dtype = np.dtype(np.uint16 if len(tok) <= 2**16 else np.uint32)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    for path, part in splits.items():
-        ids, mask = [t for e in part for t in e[0]], [m for e in part for m in e[1]]
-        np.asarray(ids, dtype=dtype).tofile(path)
-        np.asarray(mask, dtype=np.uint8).tofile(mask_path(path))
-        print(
-            f"wrote {len(part)} chats, {len(ids)} {dtype.name} tokens ({sum(mask)} scored), to {path} and "
-            f"{mask_path(path)} (data.dtype = {dtype.name!r})"
-        )
+    dtype, written = token_dtype(tok), []
+    with Outputs([p for path in splits for p in (path, mask_path(path))]) as outputs:
+        for path, part in splits.items():
+            ids, mask = [t for e in part for t in e[0]], [m for e in part for m in e[1]]
+            outputs.write(path, np.asarray(ids, dtype=dtype))
+            outputs.write(mask_path(path), np.asarray(mask, dtype=np.uint8))
+            written.append(f"wrote {len(part)} chats, {len(ids)} {dtype.name} tokens ({sum(mask)} scored), to {path} "
+                           f"and {mask_path(path)} (data.dtype = {dtype.name!r})")  # fmt: skip
+        outputs.commit()
+    print("\n".join(written))
     return sum(len(e[0]) for e in splits[out])
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Data tools.")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("prepare", help="tokenize a local Hugging Face dataset, or a JSONL of chats, into a token file")
+    p = sub.add_parser("prepare", help="tokenize local text, or a JSONL of chats, into a token file")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument(
-        "--dataset", type=Path, help="a directory written by datasets' save_to_disk (for data.source = memmap)"
-    )
+        "--dataset", nargs="+", metavar="PATH", help="text for data.source = memmap: directories written by datasets' "
+        "save_to_disk, .parquet files, .jsonl files (one JSON object per line), .txt files (one row per line), "
+        "directories of such files, or globs of them, read in the order given",
+    )  # fmt: skip
     source.add_argument(
         "--jsonl", type=Path, help='chats, one per line: {"messages": [...]} or {"prompt": ..., "response": ...} '
         "(for data.source = sft; writes the mask of scored tokens beside --out)",
@@ -577,16 +885,24 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--text-column", default="text", help="--dataset: the column holding the text")
     p.add_argument("--val-fraction", type=float, default=0.01, help="share of rows held out into val.bin beside --out")
+    p.add_argument(
+        "--processes", type=int, default=default_processes(), help="--dataset: processes that tokenize (default: "
+        "every core this process may use)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if args.out.name == "val.bin" and args.val_fraction > 0:
         parser.error("--out val.bin is where the held-out rows go: name the training file otherwise")
     if not 0 <= args.val_fraction < 1:
         parser.error(f"--val-fraction {args.val_fraction} must be in [0, 1)")
+    if args.processes < 1:
+        parser.error(f"--processes {args.processes} must be at least 1")
     try:
         if args.jsonl:
             prepare_sft(args.jsonl, args.tokenizer, args.out, args.val_fraction)
         else:
-            prepare(args.dataset, args.tokenizer, args.out, args.text_column, args.val_fraction)
+            prepare(
+                args.dataset, args.tokenizer, args.out, args.text_column, args.val_fraction, processes=args.processes
+            )
     except UsageError as error:  # one line, no traceback, exit 2 (as the trainer's refusals)
         print(f"{__package__}.data prepare: error: {error}", file=sys.stderr)
         raise SystemExit(EXIT_USAGE) from None

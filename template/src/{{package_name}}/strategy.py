@@ -12,7 +12,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -26,12 +26,14 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from .config import ParallelConfig
 from .models.spec import TensorParallelPlan
 from .parallelize import DTYPES, apply_fsdp, apply_tp
+
+if TYPE_CHECKING:  # imported where ZeroDDP builds one: torch.distributed.optim scripts its optimizers on import
+    from torch.distributed.optim import ZeroRedundancyOptimizer
 
 FullState = Callable[[], dict[str, torch.Tensor]]
 """Builds the full model weights; called on rank 0 only."""
@@ -214,6 +216,8 @@ class ZeroDDP(DDP):
     """
 
     def build_optimizer(self, param_groups: list[dict], **hyper) -> torch.optim.Optimizer:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
         return ZeroRedundancyOptimizer(param_groups, torch.optim.AdamW, **hyper)
 
     def state_dict(

@@ -409,6 +409,7 @@ def train_loop(cfg: Config, spec: ModelSpec, env: DistEnv, state: TrainState, ck
         if held_out and held_out.interval:
             validate(model, held_out, ctx, step, metrics)
     metrics.close()
+    loader.close()  # stop building batches ahead
     return step
 
 
@@ -453,6 +454,8 @@ def main(argv: list[str] | None = None, *, faults: FaultHook | None = None) -> N
         # Release the model before the process group: a DDP reducer that outlives the group
         # deadlocks gloo's teardown (it joins worker threads while holding the GIL). So nothing
         # else may keep a reference to the model once main() returns (train_loop's Join lives in its with).
+        if state is not None:  # the thread or the workers that build batches ahead, when an error stopped the loop
+            state.loader.close()
         del model, state
         dist.destroy_process_group()
 
