@@ -9,7 +9,8 @@ export is `model.safetensors`, or `model-0000x-of-0000y.safetensors` with an ind
 passes checkpoint.export_file_gb (5 GB, as transformers' save_pretrained). `safetensors` keeps
 this repo's parameter names; `hf` writes a Hugging Face directory (with config.json) that
 `transformers.AutoModelForCausalLM.from_pretrained` loads, for models whose spec has a Hugging
-Face layout (models/spec.py). Nothing here knows a model by name: names, tied weights and
+Face layout (models/spec.py): its state-dict adapter maps names and tensor layouts both ways, for
+import and export alike. Nothing here knows a model by name: names, layouts, tied weights and
 config.json come from the model and its spec, which the trainer resolves once and passes in
 (`load` and `save`, for tools and tests, resolve it from the config). A LoRA model (finetune.method=lora) starts from
 pretrained or seeded base weights plus seeded adapters, and exports plain weights with the
@@ -21,7 +22,9 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -36,6 +39,7 @@ from .config import Config, UsageError
 from .models import ModelConfig, ModelSpec, model_spec
 from .models.config_math import mismatches
 from .models.lora import LoraSettings, apply_lora, initial_adapters, merge_adapters
+from .models.spec import StateDict
 from .strategy import Strategy
 
 logger = logging.getLogger(__name__)
@@ -54,19 +58,35 @@ def shared_keys(model: torch.nn.Module) -> dict[str, str]:
     return aliases
 
 
-def stored_names(spec: ModelSpec, cfg: ModelConfig, fmt: str, model: torch.nn.Module | None = None) -> dict[str, str]:
-    """This repo's parameter name -> its name in `fmt` files (safetensors or hf); tied aliases left out."""
-    model, rename = model or build_model_on_meta(spec, cfg), _renamer(spec, cfg, fmt)
-    aliases = shared_keys(model)
-    return {k: rename(k) for k in model.state_dict() if k not in aliases}
+class Layout(NamedTuple):
+    """How files of one format store this model: the state-dict adapter both ways (models/spec.py's
+    HFLayout; none for this repo's own names), the stored names, and the tied names left out."""
+
+    to_files: Callable[[StateDict], StateDict]
+    """This repo's state dict -> the files' (names and layouts)."""
+    from_files: Callable[[StateDict], StateDict]
+    """The files' state dict -> this repo's."""
+    names: dict[str, list[int]]
+    """Every tensor name the files hold -> its shape."""
+    aliases: dict[str, str]
+    """Parameter names that alias an earlier one (shared_keys): stored once, under the first."""
+
+    def stored(self, state: StateDict) -> StateDict:
+        """`state` (this repo's names) as the files hold it: tied aliases left out (safetensors refuses
+        shared tensors), the rest through the adapter."""
+        return self.to_files({k: v for k, v in state.items() if k not in self.aliases})
 
 
-def _renamer(spec: ModelSpec, cfg: ModelConfig, fmt: str):
-    if fmt != "hf":
-        return str
-    if spec.hf is None:
+def file_layout(spec: ModelSpec, cfg: ModelConfig, fmt: str, model: torch.nn.Module | None = None) -> Layout:
+    """How `fmt` files (safetensors: this repo's names; hf: the spec's Hugging Face layout) store the model."""
+    if fmt == "hf" and spec.hf is None:
         raise ValueError(f"model.name={cfg.name} has no Hugging Face layout: use safetensors")
-    return spec.hf.to_hf
+    to_files, from_files = (spec.hf.to_hf, spec.hf.from_hf) if fmt == "hf" else (dict, dict)
+    model = model or build_model_on_meta(spec, cfg)
+    layout = Layout(to_files, from_files, {}, shared_keys(model))
+    # On the meta device: the names and shapes the adapter makes, with nothing allocated.
+    layout.names.update({k: list(v.shape) for k, v in layout.stored(model.state_dict()).items()})
+    return layout
 
 
 def stored_shapes(directory: Path) -> dict[str, list[int]]:
@@ -90,29 +110,29 @@ def weights_dir(path: Path) -> Path:
     return path
 
 
-def match_names(spec: ModelSpec, cfg: ModelConfig, directory: Path) -> dict[str, str]:
-    """How the files in `directory` name this model's parameters; ValueError naming the misfit if they do not."""
+def match_layout(spec: ModelSpec, cfg: ModelConfig, directory: Path) -> Layout:
+    """How the files in `directory` store this model; ValueError naming the misfit if they do not."""
     model = build_model_on_meta(spec, cfg)
-    stored, aliases, expected = stored_shapes(directory), shared_keys(model), model.state_dict()
+    stored = stored_shapes(directory)
     misfits = []
     for fmt in ("safetensors", "hf") if spec.hf else ("safetensors",):
-        names, rename = stored_names(spec, cfg, fmt, model), _renamer(spec, cfg, fmt)  # one meta build for both
+        layout = file_layout(spec, cfg, fmt, model)  # one meta build for both
         # A tied head may be stored besides its embedding; it is then ignored.
-        missing = set(names.values()) - set(stored)
-        extra = set(stored) - set(names.values()) - {rename(a) for a in aliases}
+        missing = set(layout.names) - set(stored)
+        extra = set(stored) - set(layout.names) - set(layout.to_files(model.state_dict()))
         if not missing and not extra:
             break
         misfits.append((len(missing) + len(extra), sorted(missing)[:5], sorted(extra)[:5]))
     else:
         _, missing, extra = min(misfits)
         raise ValueError(f"{directory} does not fit model {cfg.preset}: missing {missing}, unexpected {extra}")
-    shapes = [f"{name} is {stored[name]} there, {list(expected[k].shape)} here" for k, name in names.items()
-              if stored[name] != list(expected[k].shape)]  # fmt: skip
+    shapes = [f"{name} is {stored[name]} there, {shape} here" for name, shape in layout.names.items()
+              if stored[name] != shape]  # fmt: skip
     if shapes:
         raise ValueError(
             f"{directory} does not fit model {cfg.preset} (check the model.* sizes): {'; '.join(shapes[:3])}"
         )
-    return names
+    return layout
 
 
 def match_config(spec: ModelSpec, cfg: ModelConfig, directory: Path) -> None:
@@ -146,7 +166,7 @@ def check_init_from(cfg: Config, spec: ModelSpec) -> None:
     try:
         directory = weights_dir(Path(c.init_from))
         match_config(spec, cfg.model, directory)
-        match_names(spec, cfg.model, directory)
+        match_layout(spec, cfg.model, directory)
     except ValueError as error:
         raise UsageError(f"checkpoint.init_from={c.init_from}: {error}") from None
 
@@ -154,13 +174,13 @@ def check_init_from(cfg: Config, spec: ModelSpec) -> None:
 def load_pretrained(model: torch.nn.Module, cfg: Config, spec: ModelSpec) -> None:
     """Read checkpoint.init_from into the (sharded) model: every rank reads only the slices it holds."""
     directory = weights_dir(Path(cfg.checkpoint.init_from))
-    names = match_names(spec, cfg.model, directory)
-    state = plain_tensors(get_model_state_dict(model))
-    stored = {names[k]: state[k] for k in names}
+    layout = match_layout(spec, cfg.model, directory)
+    stored = layout.stored(plain_tensors(get_model_state_dict(model)))
     dcp.load(stored, storage_reader=HuggingFaceStorageReader(str(directory)))
-    # DCP filled the shards in place; setting them again also re-ties what it left out (tied heads).
-    set_model_state_dict(model, {k: stored[v] for k, v in names.items()}, options=StateDictOptions(strict=False))
-    logger.info("loaded %s weights from %s", len(names), directory)
+    # DCP filled the files' tensors: views of the shards (renamed or transposed) in place, or new ones
+    # (fused). Setting the model from them, mapped back, covers both, and re-ties what it left out (tied heads).
+    set_model_state_dict(model, layout.from_files(stored), options=StateDictOptions(strict=False))
+    logger.info("loaded %s weights from %s", len(stored), directory)
 
 
 def apply_initial_weights(model: torch.nn.Module, cfg: Config, spec: ModelSpec, strategy: Strategy) -> None:
@@ -197,11 +217,12 @@ def export_weights(model: torch.nn.Module, cfg: Config, spec: ModelSpec, out: Pa
     them tensor by tensor into the final files; a model in one file is named model.safetensors.
     """
     fmt, f = cfg.checkpoint.export, cfg.finetune
-    names = stored_names(spec, cfg.model, fmt)
+    layout = file_layout(spec, cfg.model, fmt)
     state = plain_tensors(get_model_state_dict(model))
     if f.method == "lora":  # plain weights under the base names: W + (alpha / rank) B A, merged shard by shard
         state = merge_adapters(state, f.lora_alpha / f.lora_rank)
-    stored = {names[k]: state[k] for k in names}
+    # DCP's writer takes contiguous shards only: a view the adapter made (a transpose) is copied, shard by shard.
+    stored = {k: v.contiguous() for k, v in layout.stored(state).items()}
     if is_main and out.exists():
         shutil.rmtree(out)  # a previous export of this run dir (an extended run): replaced whole
     dist.barrier()
@@ -226,9 +247,9 @@ def export_weights(model: torch.nn.Module, cfg: Config, spec: ModelSpec, out: Pa
 def save(state: dict[str, torch.Tensor], cfg: ModelConfig, out: Path, fmt: str) -> Path:
     """Write a full state dict (this repo's names) as `fmt` (safetensors or hf) into `out`, in one process."""
     spec = model_spec(cfg.name)
-    names = stored_names(spec, cfg, fmt)  # a tied weight is stored once (safetensors refuses shared tensors)
+    stored = file_layout(spec, cfg, fmt).stored(state)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {names[k]: state[k].detach().cpu().contiguous() for k in names}
+    tensors = {k: v.detach().cpu().contiguous() for k, v in stored.items()}
     if fmt == "hf":
         (out / "config.json").write_text(spec.hf.config_json(cfg))
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt", "layout": fmt})
@@ -238,13 +259,13 @@ def save(state: dict[str, torch.Tensor], cfg: ModelConfig, out: Path, fmt: str) 
 def load(path: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """A full state dict (this repo's names) from safetensors files, in one process (tests, tools)."""
     spec, directory = model_spec(cfg.name), weights_dir(Path(path))
-    names = match_names(spec, cfg, directory)
+    layout = match_layout(spec, cfg, directory)
     files = {}
     for file in directory.glob("*.safetensors"):
         with safe_open(file, "pt") as f:
-            files.update({k: f.get_tensor(k) for k in f.keys()})
-    tensors = {k: files[v] for k, v in names.items()}
-    for alias, source in shared_keys(build_model_on_meta(spec, cfg)).items():
+            files.update({k: f.get_tensor(k) for k in f.keys() if k in layout.names})
+    tensors = layout.from_files(files)
+    for alias, source in layout.aliases.items():
         tensors[alias] = tensors[source]
     return tensors
 

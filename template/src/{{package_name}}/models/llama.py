@@ -336,7 +336,7 @@ def decoder_shape(m: LlamaConfig, shape: type[DecoderShape] = DecoderShape) -> D
 
 
 # This repo's parameter names beside Hugging Face LlamaForCausalLM's ({i}: a layer, {x}: q, k, v
-# or o). Both use the rotate-half rotary layout, so weights need renaming only, never permuting.
+# or o). Both use the rotate-half rotary layout, so the state-dict adapter renames only, never permutes.
 HF_NAMES = RenameTable(
     rows=(
         ("tok_embeddings.weight", "model.embed_tokens.weight"),
@@ -422,8 +422,8 @@ SPEC = ModelSpec(
     build=Llama,
     shape=decoder_shape,
     hf=HFLayout(
-        to_hf=lambda name: HF_NAMES.rename(name, to_hf=True),
-        from_hf=lambda name: HF_NAMES.rename(name, to_hf=False),
+        to_hf=HF_NAMES.to_hf,
+        from_hf=HF_NAMES.from_hf,
         config_json=hf_config_json,
     ),
     lora=LoraLayout(attention="attention", mlp="feed_forward"),

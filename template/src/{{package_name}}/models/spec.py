@@ -4,7 +4,7 @@ Each model module defines its hyperparameters (a dataclass extending `ModelConfi
 table of a config that names it) and `SPEC = ModelSpec(...)`; models/__init__.py maps
 `model.name` to the module. From the spec, config.py types and checks `[model]` (`config`),
 plan/ sizes memory and metrics.py counts FLOPs (`shape`: sizes and cost terms), data.py feeds `inputs`,
-weights.py maps the weights to and from Hugging Face (`hf`), models/lora.py places adapters
+weights.py maps the weights to and from Hugging Face (`hf`, a state-dict adapter), models/lora.py places adapters
 (`lora`), and parallelize.py splits the model for tensor parallelism (`tp_plan`). The nn.Module it
 builds meets the module contract in models/__init__.py. Plain Python and torch: nothing here
 imports torch.distributed, or the rest of the repo (config.py imports the models, never the other
@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Generic, Literal, NamedTuple, TypeVar
 
+import torch
 from torch import nn
 
 from .config_math import read_config_json
@@ -123,12 +124,16 @@ class ModelShape:
         return max(self.V * self.h, *(layer.inputs * layer.outputs for layer in self.linears))
 
 
+StateDict = dict[str, torch.Tensor]
+
+
 @dataclass(frozen=True)
 class RenameTable:
     """Parameter names of this repo beside a Hugging Face layout's, one pattern pair per row.
 
     Patterns hold `{field}` placeholders; `fields` gives the regular expression each stands for,
     e.g. `("layers.{i}.attention.w{x}.weight", "model.layers.{i}.self_attn.{x}_proj.weight")`.
+    `to_hf` and `from_hf` are the state-dict adapter (HFLayout) of a layout that only renames.
     """
 
     rows: tuple[tuple[str, str], ...]
@@ -145,15 +150,34 @@ class RenameTable:
                 return target.format(**match.groupdict())
         raise ValueError(f"no {'Hugging Face' if to_hf else 'repo'} name for parameter {name!r}")
 
+    def to_hf(self, state: StateDict) -> StateDict:
+        """`state` under the Hugging Face names: the same tensors."""
+        return {self.rename(k, to_hf=True): v for k, v in state.items()}
+
+    def from_hf(self, state: StateDict) -> StateDict:
+        """A Hugging Face state dict under this repo's names: the same tensors."""
+        return {self.rename(k, to_hf=False): v for k, v in state.items()}
+
 
 @dataclass(frozen=True)
 class HFLayout:
-    """How a model's weights map onto a Hugging Face transformers checkpoint (checkpoint.export=hf)."""
+    """How a model's weights map onto a Hugging Face transformers checkpoint (checkpoint.init_from, export=hf).
 
-    to_hf: Callable[[str], str]
-    """This repo's parameter name -> the transformers name."""
-    from_hf: Callable[[str], str]
-    """The transformers name -> this repo's parameter name."""
+    `to_hf` and `from_hf` are a state-dict adapter: functions over tensors, inverse to each other,
+    that may rename, transpose, permute, fuse or split, so a model keeps the layout it computes
+    with and still reads and writes the Hugging Face one. weights.py calls them on full tensors
+    and on this rank's shards (DTensors) alike: an export writes `to_hf` of the sharded weights,
+    and `checkpoint.init_from` reads into `to_hf` of them, then sets the model from `from_hf` of
+    what it read (torchtitan's order). So they use torch ops, which DTensor runs shard by shard: a
+    transpose or a slice is a view of the shards, while concatenating along the dimension FSDP
+    splits (Shard(0)) gathers the tensor whole on every rank. They map every key of the model's
+    state dict, a tied head's too (weights.py leaves its copy out of the files).
+    """
+
+    to_hf: Callable[[StateDict], StateDict]
+    """This repo's state dict -> the transformers one (names, and where they differ, layouts)."""
+    from_hf: Callable[[StateDict], StateDict]
+    """The transformers state dict -> this repo's."""
     config_json: Callable[[ModelConfig], str]
     """The config.json that makes `AutoModelForCausalLM.from_pretrained` build this model."""
     read_config: Callable[[Path], dict | None] = read_config_json
