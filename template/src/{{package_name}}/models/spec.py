@@ -121,7 +121,7 @@ class ModelShape:
     @property
     def largest(self) -> int:
         """Elements of the largest tensor: the embedding or head (V x h), or a block's widest layer."""
-        return max(self.V * self.h, *(layer.inputs * layer.outputs for layer in self.linears))
+        return max([self.V * self.h, *(layer.inputs * layer.outputs for layer in self.linears)])
 
 
 StateDict = dict[str, torch.Tensor]
