@@ -222,6 +222,8 @@ SPEC = ModelSpec(
     config=GPT2Config,
     build=GPT2,
     shape=gpt2_shape,
+    # read_config: models/config_math.py compares the fields of Llama-family config.json files, which
+    # GPT-2's names otherwise; checkpoint.init_from then checks names and shapes only.
     hf=HFLayout(to_hf=to_hf, from_hf=from_hf, config_json=hf_config_json, read_config=lambda directory: None),
     lora=LoraLayout(attention="attn", mlp="mlp"),
 )

@@ -12,10 +12,10 @@ this repo's parameter names; `hf` writes a Hugging Face directory (with config.j
 Face layout (models/spec.py): its state-dict adapter maps names and tensor layouts both ways, for
 import and export alike. Nothing here knows a model by name: names, layouts, tied weights and
 config.json come from the model and its spec, which the trainer resolves once and passes in
-(`load` and `save`, for tools and tests, resolve it from the config). A LoRA model (finetune.method=lora) starts from
-pretrained or seeded base weights plus seeded adapters, and exports plain weights with the
-adapters merged in, which load anywhere the base model does. Converting a distributed checkpoint
-offline: convert.py."""
+(`load` and `save`, for tools and tests, resolve it from the config). A LoRA model
+(finetune.method=lora) starts from pretrained or seeded base weights plus seeded adapters, and
+exports plain weights with the adapters merged in, which load anywhere the base model does.
+Converting a distributed checkpoint offline: convert.py."""
 
 from __future__ import annotations
 
@@ -60,33 +60,37 @@ def shared_keys(model: torch.nn.Module) -> dict[str, str]:
 
 class Layout(NamedTuple):
     """How files of one format store this model: the state-dict adapter both ways (models/spec.py's
-    HFLayout; none for this repo's own names), the stored names, and the tied names left out."""
+    HFLayout; none for this repo's own names), what goes through it, and the names it makes."""
 
     to_files: Callable[[StateDict], StateDict]
     """This repo's state dict -> the files' (names and layouts)."""
     from_files: Callable[[StateDict], StateDict]
     """The files' state dict -> this repo's."""
+    ours: tuple[str, ...]
+    """The base model's state-dict names that are stored: tied aliases are stored once, under the first
+    name (safetensors refuses shared tensors), and LoRA's adapters never (an export merges them in)."""
+    aliases: dict[str, str]
+    """Parameter names that alias an earlier one (shared_keys)."""
     names: dict[str, list[int]]
     """Every tensor name the files hold -> its shape."""
-    aliases: dict[str, str]
-    """Parameter names that alias an earlier one (shared_keys): stored once, under the first."""
 
     def stored(self, state: StateDict) -> StateDict:
-        """`state` (this repo's names) as the files hold it: tied aliases left out (safetensors refuses
-        shared tensors), the rest through the adapter."""
-        return self.to_files({k: v for k, v in state.items() if k not in self.aliases})
+        """`state` (this repo's names) as the files hold it."""
+        return self.to_files({k: state[k] for k in self.ours})
 
 
 def file_layout(spec: ModelSpec, cfg: ModelConfig, fmt: str, model: torch.nn.Module | None = None) -> Layout:
-    """How `fmt` files (safetensors: this repo's names; hf: the spec's Hugging Face layout) store the model."""
+    """How `fmt` files (safetensors: this repo's names; hf: the spec's Hugging Face layout) store the
+    model (`model`: the base model, on the meta device, if the caller has built it)."""
     if fmt == "hf" and spec.hf is None:
         raise ValueError(f"model.name={cfg.name} has no Hugging Face layout: use safetensors")
     to_files, from_files = (spec.hf.to_hf, spec.hf.from_hf) if fmt == "hf" else (dict, dict)
     model = model or build_model_on_meta(spec, cfg)
-    layout = Layout(to_files, from_files, {}, shared_keys(model))
+    aliases = shared_keys(model)
+    state = {k: v for k, v in model.state_dict().items() if k not in aliases}
     # On the meta device: the names and shapes the adapter makes, with nothing allocated.
-    layout.names.update({k: list(v.shape) for k, v in layout.stored(model.state_dict()).items()})
-    return layout
+    names = {k: list(v.shape) for k, v in to_files(state).items()}
+    return Layout(to_files, from_files, tuple(state), aliases, names)
 
 
 def stored_shapes(directory: Path) -> dict[str, list[int]]:
