@@ -100,10 +100,37 @@ def render(dst: Path, answers: dict) -> float:
     return time.perf_counter() - started
 
 
+def env_for(project: Path) -> dict:
+    """The environment a rendered project's commands run in: its source and tests importable, one thread per rank."""
+    return {**os.environ, "PYTHONPATH": f"{project / 'src'}:{project / 'tests'}", "OMP_NUM_THREADS": "1"}
+
+
 def markdown(header: list[str], rows: list[list[str]], align: str) -> str:
     """A Markdown table; align has one letter per column, l or r."""
     rule = ["---" if a == "l" else "---:" for a in align]
     return "\n".join("| " + " | ".join(cells) + " |" for cells in [header, rule, *rows])
+
+
+def ratio_row(name: str, new: float, old: float, raw: str, goal: str) -> dict:
+    """A row whose figure is new / old (none where old is 0: the table says n/a)."""
+    ratio = {"ratio": new / old} if old else {}
+    return {"name": name, "figures": {**ratio, "measured": new, "reference": old}, "raw": raw, "goal": goal}
+
+
+def table(results: dict) -> str:
+    """The Markdown table of a results dict of ratio and time rows (what --json writes), with the machine line
+    under it."""
+    rows, times = [], False
+    for row in results["rows"]:
+        figures = row["figures"]
+        if "wall_s" in figures:
+            times, figure = True, f"{figures['wall_s']:.1f} s"
+        else:
+            figure = f"{figures['ratio']:.3f}" if "ratio" in figures else "n/a"
+        rows.append([row["name"], figure, row["raw"], row["goal"]])
+    quick = " (quick mode: a harness check, not a measurement)" if results["quick"] else ""
+    body = markdown(["measurement", "ratio or time" if times else "ratio", "raw", "goal"], rows, "lrrl")
+    return f"{body}\n\n{machine_line(results['machine'])}{quick}"
 
 
 def arguments(description: str, quick: str, quick_help: str) -> argparse.ArgumentParser:

@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from _common import arguments, host_machine, machine_line, markdown, render, save
+from _common import arguments, env_for, host_machine, ratio_row, render, save, table
 
 # A model big enough that per-step overheads show, small enough for a 2-core CI box.
 MEDIUM = ["--model.dim", "512", "--model.n_layers", "6", "--model.n_heads", "8", "--model.n_kv_heads", "4",
@@ -55,10 +55,6 @@ ROWS = [
     "generated smoke test (`pytest tests/test_smoke.py`), default render, cold",
     "generated fast tier (`pytest`), CPU render, cold",
 ]
-
-
-def env_for(project: Path) -> dict:
-    return {**os.environ, "PYTHONPATH": f"{project / 'src'}:{project / 'tests'}", "OMP_NUM_THREADS": "1"}
 
 
 def children_cpu_s() -> float:
@@ -172,45 +168,50 @@ def peak_added(work) -> int:
     return max(peak[0], rss()) - base
 
 
-op, path, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
-cfg = load_config(sys.argv[4:])
-spec = model_spec(cfg.model.name)
-env = train.init_distributed(cfg, spec)
-model = train.build_model_meta(cfg, spec, env, init_weights=False)
-if op == "load_sharded":
-    cfg.checkpoint.init_from = path
-    added = peak_added(lambda: weights.load_pretrained(model, cfg, spec))
-elif op == "load_rank0":
-    full_state = lambda: weights.load(Path(path), cfg.model)  # noqa: E731
-    added = peak_added(lambda: env.strategy.apply_weights_from_rank0(model, full_state))
-elif op == "export_sharded":
-    added = peak_added(lambda: weights.export_weights(model, cfg, spec, Path(path), env.is_main))
-else:
-    def gather_and_save():
-        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if env.is_main:
-            weights.save(full, cfg.model, Path(path), "safetensors")
+jobs, out = sys.argv[1], Path(sys.argv[2])
+first = load_config(sys.argv[3:])
+spec = model_spec(first.model.name)
+env = train.init_distributed(first, spec)
+for job in jobs.split(","):  # op=path, each on a model of its own
+    op, path = job.split("=", 1)
+    cfg = load_config(sys.argv[3:])
+    model = train.build_model_meta(cfg, spec, env, init_weights=False)
+    if op == "load_sharded":
+        cfg.checkpoint.init_from = path
+        added = peak_added(lambda: weights.load_pretrained(model, cfg, spec))
+    elif op == "load_rank0":
+        full_state = lambda: weights.load(Path(path), cfg.model)  # noqa: E731
+        added = peak_added(lambda: env.strategy.apply_weights_from_rank0(model, full_state))
+    elif op == "export_sharded":
+        added = peak_added(lambda: weights.export_weights(model, cfg, spec, Path(path), env.is_main))
+    else:
+        def gather_and_save():
+            full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            if env.is_main:
+                weights.save(full, cfg.model, Path(path), "safetensors")
 
-    added = peak_added(gather_and_save)
-(out / f"{op}_rank{env.rank}.json").write_text(json.dumps(added))
+        added = peak_added(gather_and_save)
+    (out / f"{op}_rank{env.rank}.json").write_text(json.dumps(added))
 """
 
 
-def weights_memory(project: Path, tmp: Path, size: list[str]) -> dict[str, int]:
-    """Peak host bytes a rank adds (the larger of 2 ranks), per operation: sharded and rank-0 paths, load and export."""
+def weights_memory(project: Path, tmp: Path, size: list[str], quick: bool) -> dict[str, int]:
+    """Peak host bytes a rank adds (the larger of 2 ranks), per operation: sharded and rank-0 paths, load and export.
+    Each operation runs in a launch of its own, as memory a process freed is not all returned; the quick mode runs
+    the four in one launch."""
     script = tmp / "weights_memory.py"
     script.write_text(WEIGHTS_MEMORY)
-    added = {}
-    for op, path in [("export_sharded", tmp / "exported"), ("export_rank0", tmp / "exported_rank0"),
-                     ("load_sharded", tmp / "exported"), ("load_rank0", tmp / "exported")]:  # fmt: skip
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script), op,
-               str(path), str(tmp), "--config", str(project / "configs" / "debug.toml"), "--device", "cpu",
+    jobs = [("export_sharded", tmp / "exported"), ("export_rank0", tmp / "exported_rank0"),
+            ("load_sharded", tmp / "exported"), ("load_rank0", tmp / "exported")]  # fmt: skip
+    for launch in [jobs] if quick else [[job] for job in jobs]:
+        ops = ",".join(f"{op}={path}" for op, path in launch)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script), ops,
+               str(tmp), "--config", str(project / "configs" / "debug.toml"), "--device", "cpu",
                "--run_dir", str(tmp / "weights_run"), "--checkpoint.export", "safetensors", *size]  # fmt: skip
         done = subprocess.run(cmd, cwd=project, env=env_for(project), capture_output=True, text=True)
         if done.returncode:
-            sys.exit(f"{op} failed:\n{done.stderr[-4000:]}")
-        added[op] = max(json.loads((tmp / f"{op}_rank{r}.json").read_text()) for r in range(2))
-    return added
+            sys.exit(f"{ops} failed:\n{done.stderr[-4000:]}")
+    return {op: max(json.loads((tmp / f"{op}_rank{r}.json").read_text()) for r in range(2)) for op, _ in jobs}
 
 
 def pytest_seconds(project: Path, selection: list[str]) -> tuple[float, float, float, str]:
@@ -224,10 +225,6 @@ def pytest_seconds(project: Path, selection: list[str]) -> tuple[float, float, f
     if done.returncode:
         sys.exit(f"pytest {' '.join(selection)} failed in {project}:\n{done.stdout[-4000:]}")
     return wall, cpu, os.getloadavg()[0], done.stdout.strip().splitlines()[-1].strip("= ")
-
-
-def ratio_row(name: str, new: float, old: float, raw: str, goal: str) -> dict:
-    return {"name": name, "figures": {"ratio": new / old, "measured": new, "reference": old}, "raw": raw, "goal": goal}
 
 
 def memory_row(name: str, memory: dict[str, int], op: str) -> dict:
@@ -250,7 +247,7 @@ def fastest(repeats: int, *measurements: Callable[[int], float]) -> list[float]:
 
 
 def measure(quick: bool) -> list[dict]:
-    size, steps, saves, repeats = (QUICK_SIZE, 6, 3, 1) if quick else (MEDIUM, 15, 12, 2)
+    size, steps, saves, repeats = (QUICK_SIZE, 6, 2, 1) if quick else (MEDIUM, 15, 12, 2)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         render_s = render(tmp / "default", {})
@@ -267,9 +264,10 @@ def measure(quick: bool) -> list[dict]:
             lambda i: checkpoint_blocked_seconds(project, tmp / f"sync{i}", size, saves, "dcp"),
             lambda i: checkpoint_blocked_seconds(project, tmp / f"async{i}", size, saves, "dcp_async"),
         )
-        memory = weights_memory(project, tmp, size)
+        memory = weights_memory(project, tmp, size, quick)
         fast = pytest_seconds(tmp / "default", QUICK_SELECTION if quick else [])
-        smoke = pytest_seconds(tmp / "default", QUICK_SELECTION if quick else ["tests/test_smoke.py"])
+        # The quick mode's selection is the same for both rows of the default render: it runs once.
+        smoke = fast if quick else pytest_seconds(tmp / "default", ["tests/test_smoke.py"])
         fast_cpu = pytest_seconds(project, QUICK_SELECTION if quick else [])
     return [
         ratio_row(ROWS[0], trainer, plain, f"{trainer * 1e3:.0f} ms / {plain * 1e3:.0f} ms", "<= 1.10"),
@@ -282,18 +280,6 @@ def measure(quick: bool) -> list[dict]:
         seconds_row(ROWS[7], smoke, "under a minute"),
         seconds_row(ROWS[8], fast_cpu, "under 2 minutes"),
     ]
-
-
-def table(results: dict) -> str:
-    """The Markdown table of a results dict (what --json writes), with the machine line under it."""
-    rows = []
-    for row in results["rows"]:
-        figures = row["figures"]
-        figure = f"{figures['ratio']:.3f}" if "ratio" in figures else f"{figures['wall_s']:.1f} s"
-        rows.append([row["name"], figure, row["raw"], row["goal"]])
-    quick = " (quick mode: a harness check, not a measurement)" if results["quick"] else ""
-    body = markdown(["measurement", "ratio or time", "raw", "goal"], rows, "lrrl")
-    return f"{body}\n\n{machine_line(results['machine'])}{quick}"
 
 
 def main() -> None:

@@ -1,7 +1,8 @@
 """Data-path benchmarks of a rendered CPU project, each a ratio measured side by side in this one run.
 
-    python bench/data.py            # about 5 minutes on 2 cores; prints a Markdown table
-    python bench/data.py --quick    # smaller corpora and runs (about a minute): every row, noisier
+    python bench/data.py --json bench/results/data.json   # 6 minutes on 2 cores at load 4; prints a Markdown table
+    python bench/data.py --quick                          # every row on small corpora and short runs
+    python bench/data.py --from-json bench/results/data.json   # the README's table, from the recorded figures
 
 1. Reading a sample: the time per window of one global batch (64 windows of 2,048 + 1 tokens, the
    render's own data.py) from uint16 token files of 10 M, 100 M and 1 B tokens (sparse files), as a
@@ -13,14 +14,14 @@
    token files of a decoder cost microseconds a step, images a decode and a resize each), with the
    batches built ahead (data.prefetch = 2, the default) and without (data.prefetch = 0).
 
-Timings vary with the machine; the ratios are what the README records.
+The quick mode (tests/test_bench.py runs it) measures the same rows on smaller corpora, fewer reads
+and shorter runs: it checks the harness, and its figures mean nothing. Timings vary with the machine,
+named by the line under the table; the ratios are what the README records.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -29,10 +30,20 @@ import time
 from pathlib import Path
 
 import numpy as np
-from cpu import env_for, render
+from _common import arguments, env_for, host_machine, ratio_row, render, save, table
 
 SEQ_LEN, GLOBAL_BATCH = 2048, 64
 CORPUS_TOKENS = {"10 M": 10**7, "100 M": 10**8, "1 B": 10**9}
+PROCESSES = 2
+"""The processes of data prepare and of datasets.map, one thread each."""
+ROWS = [
+    "time per window read, 100 M-token file / 10 M",
+    "time per window read, 1 B-token file / 10 M",
+    "one rank's read of a step, world size 8 / world size 1",
+    f"data prepare tokens/s / datasets.map(batched=True), {PROCESSES} processes",
+    "data prepare peak resident memory, 4x the corpus / 1x",
+    "data wait share of the step, ViT debug model on an image folder at world size 2: prefetch on / off",
+]
 
 
 def read_seconds_per_window(project: Path, tmp: Path, steps: int, rounds: int) -> tuple[dict, tuple[float, float]]:
@@ -92,7 +103,8 @@ def train_tokenizer(corpus: Path, out: Path) -> None:
     tok = tokenizers.Tokenizer(tokenizers.models.BPE())
     tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = tokenizers.decoders.ByteLevel()
-    tok.train_from_iterator(rows, tokenizers.trainers.BpeTrainer(vocab_size=4096, special_tokens=["</s>"]))
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=4096, special_tokens=["</s>"], show_progress=False)
+    tok.train_from_iterator(rows, trainer)
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>").save_pretrained(out)
 
 
@@ -193,11 +205,7 @@ def write_images(root: Path, count: int) -> None:
         Image.fromarray(pixels).save(root / f"class{i % 4}" / f"{i:04d}.jpg", quality=90)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="smaller corpora and runs: every row, noisier figures")
-    quick = parser.parse_args().quick
-    processes = 2
+def measure(quick: bool) -> list[dict]:
     rows = 8_000 if quick else 200_000
     started = time.perf_counter()
 
@@ -220,37 +228,43 @@ def main() -> None:
         done("corpus and tokenizer")
         ours, theirs = [], []
         for _ in range(1 if quick else 3):  # taking turns, the fastest of each: the least disturbed
-            (_, _, small_peak), run = prepare_runs(project, [small, large], tmp / "tokenizer", processes)
+            (_, _, small_peak), run = prepare_runs(project, [small, large], tmp / "tokenizer", PROCESSES)
             ours.append((*run, small_peak))
-            theirs.append(datasets_map_run(project, large, tmp / "tokenizer", processes))
+            theirs.append(datasets_map_run(project, large, tmp / "tokenizer", PROCESSES))
         (ours_s, tokens, large_peak, small_peak), (map_s, map_tokens) = min(ours), min(theirs)
         assert map_tokens == tokens, (map_tokens, tokens)  # the same ids, counted both ways
         done("data prepare and datasets.map")
         vit = tmp / "vit"
         render(vit, {"accelerator": "cpu", "model_type": "vit", "model_size": "vit-debug", "package_name": "bench_vit"})
         write_images(tmp / "images", 64)
-        wait = data_wait_shares(vit, tmp / "images", tmp, steps=6 if quick else 30)
-        wait_on, wait_off = wait[2], wait[0]
+        wait = data_wait_shares(vit, tmp / "images", tmp, steps=5 if quick else 30)  # past the 4 warm-up steps
         done("data wait")
     us = {name: seconds * 1e6 for name, seconds in per_window.items()}
-    rows_out = [
-        ("time per window read, 100 M-token file / 10 M", f"{us['100 M'] / us['10 M']:.2f}",
-         f"{us['100 M']:.1f} us / {us['10 M']:.1f} us", "about 1"),
-        ("time per window read, 1 B-token file / 10 M", f"{us['1 B'] / us['10 M']:.2f}",
-         f"{us['1 B']:.1f} us / {us['10 M']:.1f} us", "<= 1.2"),
-        ("one rank's read of a step, world size 8 / world size 1", f"{rank_of_8 / rank_of_1:.3f}",
-         f"{rank_of_8 * 1e6:.0f} us / {rank_of_1 * 1e6:.0f} us", "< 1 (1/8 plus the per-step lookup)"),
-        (f"data prepare tokens/s / datasets.map(batched=True), {processes} processes", f"{map_s / ours_s:.2f}",
-         f"{tokens / ours_s:,.0f} / {tokens / map_s:,.0f} tokens/s", "about 1 or more"),
-        ("data prepare peak resident memory, 4x the corpus / 1x", f"{large_peak / small_peak:.3f}",
-         f"{large_peak / 2**20:.0f} MiB / {small_peak / 2**20:.0f} MiB", "<= 1.1"),
-        ("data wait share of the step, ViT debug model on an image folder at world size 2: prefetch on / off",
-         f"{wait_on / wait_off:.2f}" if wait_off else "n/a", f"{100 * wait_on:.2f}% / {100 * wait_off:.2f}%", "< 1"),
+    prepare = ratio_row(ROWS[3], tokens / ours_s, tokens / map_s,
+                        f"{tokens / ours_s:,.0f} / {tokens / map_s:,.0f} tokens/s", "about 1 or more")  # fmt: skip
+    prepare["figures"] |= {"tokens": tokens, "rows": rows}
+    return [
+        ratio_row(ROWS[0], us["100 M"], us["10 M"], f"{us['100 M']:.1f} us / {us['10 M']:.1f} us", "about 1"),
+        ratio_row(ROWS[1], us["1 B"], us["10 M"], f"{us['1 B']:.1f} us / {us['10 M']:.1f} us", "<= 1.2"),
+        ratio_row(ROWS[2], rank_of_8, rank_of_1, f"{rank_of_8 * 1e6:.0f} us / {rank_of_1 * 1e6:.0f} us",
+                  "< 1 (1/8 plus the per-step lookup)"),
+        prepare,
+        ratio_row(ROWS[4], large_peak, small_peak, f"{large_peak / 2**20:.0f} MiB / {small_peak / 2**20:.0f} MiB",
+                  "<= 1.1"),
+        ratio_row(ROWS[5], wait[2], wait[0], f"{100 * wait[2]:.2f}% / {100 * wait[0]:.2f}%", "< 1"),
     ]  # fmt: skip
-    print(f"corpus: {tokens:,} tokens in {rows:,} rows (and {rows // 4:,}); {os.cpu_count()} cores")
-    print("| measurement | ratio | raw | goal |\n| --- | ---: | ---: | --- |")
-    for row in rows_out:
-        print("| " + " | ".join(row) + " |")
+
+
+def main() -> None:
+    parser = arguments(__doc__.split("\n\n")[0], "--quick", "smaller corpora and shorter runs: every row, noisier")
+    args = parser.parse_args()
+    if args.from_json:
+        print(table(json.loads(args.from_json.read_text())))
+        return
+    machine = host_machine()
+    results = {"bench": "data", "quick": args.quick, "machine": machine, "rows": measure(args.quick)}
+    save(results, args.json)
+    print(table(results))
 
 
 if __name__ == "__main__":

@@ -105,12 +105,12 @@ def test_generated_float8_converts_trains_and_checkpoints(rendered, name):
 
 @pytest.mark.parametrize("name", SFT)
 def test_generated_sft_masks_packs_and_matches_one_process(rendered, name):
-    run_every_test_of(rendered[name], "tests/test_sft.py", 13)
+    run_every_test_of(rendered[name], "tests/test_sft.py", 15)
 
 
 @pytest.mark.parametrize("name", LORA)
 def test_generated_lora_trains_only_adapters_and_exports_merged_weights(rendered, name):
-    run_every_test_of(rendered[name], "tests/test_lora.py", 25)
+    run_every_test_of(rendered[name], "tests/test_lora.py", 26)
 
 
 @pytest.mark.parametrize("name", PRETRAINED)

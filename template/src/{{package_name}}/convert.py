@@ -5,7 +5,8 @@
 
 `--to safetensors` and `--to hf` write the model weights as weights.py exports them (this repo's
 names, or a Hugging Face directory for models with a Hugging Face layout; a LoRA checkpoint's
-adapters merged in, given the config it was trained with). `--to torch` writes
+adapters merged in, given the config it was trained with, and alone in `exported/adapter`, the PEFT
+adapter directory an export has beside them). `--to torch` writes
 the whole checkpoint, optimizer and all, for any model, as one torch.save file
 (`format_utils.dcp_to_torch_save`'s conversion, read weights-only): `exported/checkpoint.pt`.
 """
@@ -21,16 +22,18 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from .checkpoint import CHECKPOINT_KEY, WeightsOnlyLoadPlanner, check_finetune_matches
 from .config import FinetuneConfig, load_config
-from .models import ModelConfig, build_model
+from .models import ModelConfig, build_model, model_spec
 from .models.lora import merge_adapters
-from .weights import save
+from .weights import ADAPTER_DIR, peft_modules, save, save_adapter
 
 
-def load_checkpoint(path: Path, cfg: ModelConfig, finetune: FinetuneConfig | None = None) -> dict[str, torch.Tensor]:
+def load_checkpoint(
+    path: Path, cfg: ModelConfig, finetune: FinetuneConfig | None = None, merge: bool = True
+) -> dict[str, torch.Tensor]:
     """The model weights of a distributed checkpoint, resharded into one process (no process group).
 
     A LoRA checkpoint (`finetune` with method lora, as it was trained) comes back with its adapters
-    merged into plain weights under the base model's names.
+    merged into plain weights under the base model's names (`merge=False`: as saved, adapters apart).
     """
     with torch.device("cpu"):
         model = build_model(cfg, finetune)
@@ -42,7 +45,7 @@ def load_checkpoint(path: Path, cfg: ModelConfig, finetune: FinetuneConfig | Non
     state = {CHECKPOINT_KEY: {"model": weights}}
     dcp.load(state, checkpoint_id=path, planner=WeightsOnlyLoadPlanner(), no_dist=True)
     weights = state[CHECKPOINT_KEY]["model"]
-    if finetune is not None and finetune.method == "lora":
+    if merge and finetune is not None and finetune.method == "lora":
         weights = merge_adapters(weights, finetune.lora_alpha / finetune.lora_rank)
     return weights
 
@@ -91,6 +94,11 @@ def main(argv: list[str] | None = None) -> None:
     else:
         cfg = load_config(rest)
         written = save(load_checkpoint(args.checkpoint, cfg.model, cfg.finetune), cfg.model, args.out, args.to)
+        modules = peft_modules(model_spec(cfg.model.name), cfg.model) if cfg.finetune.method == "lora" else None
+        if modules is not None:  # as weights.export_weights does
+            adapters = load_checkpoint(args.checkpoint, cfg.model, cfg.finetune, merge=False)
+            print(f"wrote {written}")
+            written = save_adapter(adapters, cfg, args.out / ADAPTER_DIR, modules)
     print(f"wrote {written}")
 
 

@@ -43,9 +43,13 @@ KINDS = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".txt": "te
 """The files find_inputs reads, by suffix."""
 
 
-def load_tokenizer(path: Path):
-    """The tokenizer in a local directory (nothing is downloaded)."""
-    from transformers import AutoTokenizer
+def load_tokenizer(path: Path, extra: str = "data"):
+    """The tokenizer in a local directory (nothing is downloaded); without transformers, a UsageError naming the
+    optional dependencies to install (`extra`: data for --dataset, sft for --jsonl)."""
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise UsageError(f'--tokenizer needs transformers: pip install -e ".[{extra}]"') from None
 
     if not path.is_dir():
         raise UsageError(f"--tokenizer {path}: no such directory (a local tokenizer, as save_pretrained writes it)")

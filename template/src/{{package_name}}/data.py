@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
-from .config import EXIT_USAGE, JOB_WIDE, Config, UsageError
+from .config import EXIT_USAGE, JOB_WIDE, Config, TrainConfig, UsageError
 from .corpus import Outputs, default_processes, find_inputs, load_tokenizer, token_dtype, tokenize_corpus
 
 logger = logging.getLogger(__name__)
@@ -61,6 +61,8 @@ IGNORE_INDEX = -100
 """A target that is not scored (data.source = "sft": prompts, example starts): F.cross_entropy's ignore_index."""
 TOKEN_FILES = ("memmap", "sft")
 """Sources that read a token file from data.path (sft also its mask beside it, mask_path)."""
+SEQ_LEN = TrainConfig.seq_len
+"""train.seq_len's default (the debug config's): the window `data prepare --jsonl` holds out one of by default."""
 
 
 def _generator(seed: int, index: int) -> torch.Generator:
@@ -614,6 +616,8 @@ def check_data(cfg: Config, rank: int, world_size: int) -> None:
             raise UsageError(f"eval.path={e.path}: no such held-out {what}; point eval.path at it")
         if d.source == "sft":
             check_mask(Path(e.path), d.dtype, "eval.path")
+        if d.source in TOKEN_FILES:
+            check_held_out_tokens(cfg)
         if d.source == "image_folder" and list(_image_files(Path(e.path))) != list(_image_files(path)):
             raise UsageError(
                 f"eval.path={e.path} has classes {list(_image_files(Path(e.path)))}, data.path={path} has "
@@ -626,6 +630,18 @@ def check_data(cfg: Config, rank: int, world_size: int) -> None:
                 f"eval.fraction={e.fraction} of data.path={path} ({tokens} tokens) holds out fewer than one sequence "
                 f"of {cfg.train.seq_len + 1} tokens: raise eval.fraction, or set eval.path to a held-out token file"
             )
+
+
+def check_held_out_tokens(cfg: Config) -> None:
+    """Refuse a held-out token file (eval.path) shorter than one window of train.seq_len + 1 tokens."""
+    path, window = Path(cfg.eval.path), cfg.train.seq_len + 1
+    tokens = path.stat().st_size // np.dtype(cfg.data.dtype).itemsize if path.is_file() else window
+    if tokens < window:
+        raise UsageError(
+            f"eval.path={path} holds {tokens} tokens, fewer than one window of train.seq_len + 1 = {window}: "
+            f"prepare it again holding out more (data prepare --val-fraction, --seq-len {cfg.train.seq_len}), "
+            "or set eval.interval = 0"
+        )
 
 
 def build_loader(cfg: Config, rank: int, world_size: int, device: torch.device) -> Loader:
@@ -700,7 +716,8 @@ def build_held_out(cfg: Config, rank: int, world_size: int, device: torch.device
     if hasattr(source, "__len__") and len(source) < wanted:
         logger.warning(
             "eval.batches=%d x train.global_batch_size=%d = %d samples, but the held-out data has %d: some count "
-            "more than once", e.batches, t.global_batch_size, wanted, len(source), extra=JOB_WIDE,
+            "more than once (hold out more data, or lower eval.batches)", e.batches, t.global_batch_size, wanted,
+            len(source), extra=JOB_WIDE,
         )  # fmt: skip
     return HeldOut(Loader(source, cfg, rank, world_size, device, rank_sharded=False), e.batches, e.interval)
 
@@ -801,10 +818,14 @@ def _messages(row, where: str) -> list[dict]:
 
 def encode_chat(tok, messages: list[dict], where: str) -> tuple[list[int], list[int]]:
     """One chat's token ids, rendered with the tokenizer's own chat template, and its mask: 1 on the tokens
-    of every assistant turn, its end marker included, 0 elsewhere and always on the first token.
+    of every assistant turn, 0 elsewhere and always on the first token.
 
     A turn's characters are what rendering the chat through it adds to rendering it up to the turn's
-    generation prompt; a token is the turn's when it starts there (the tokenizer's offsets).
+    generation prompt; a token is the turn's when it starts there (the tokenizer's offsets). So a turn
+    is the reply, its end-of-turn marker and whatever the template writes after the marker (ChatML's
+    newline after <|im_end|>): the rule needs no list of markers, and that newline always follows the
+    marker, so it costs one near-certain target per reply and is never generated (decoding stops at
+    the marker). README.md, "Fine-tuning on chats", says the same.
     """
     from jinja2 import TemplateError
 
@@ -833,15 +854,18 @@ def encode_chat(tok, messages: list[dict], where: str) -> tuple[list[int], list[
     return encoded["input_ids"], mask
 
 
-def prepare_sft(jsonl: Path, tokenizer: Path, out: Path, val_fraction: float = 0.01, seed: int = 0) -> int:
+def prepare_sft(
+    jsonl: Path, tokenizer: Path, out: Path, val_fraction: float = 0.01, seed: int = 0, seq_len: int = SEQ_LEN
+) -> int:
     """Render every chat of a JSONL file with the tokenizer's chat template and pack them, in file order,
     into a token file and its mask of scored targets (mask_path); a held-out share of the rows (picked at
-    random with `seed`) goes to val.bin and its mask beside it. Return the training token count.
+    random with `seed`) goes to val.bin and its mask beside it, and must hold one window of `seq_len` + 1
+    tokens (what validation reads). Return the training token count.
 
     Every row is read and checked before anything is written.
     """
     chats = read_chats(jsonl)  # before the tokenizer loads: a bad row is refused at once
-    tok = load_tokenizer(tokenizer)
+    tok = load_tokenizer(tokenizer, extra="sft")
     if not getattr(tok, "chat_template", None):
         raise UsageError(f"--tokenizer {tokenizer} has no chat template (chat_template in tokenizer_config.json)")
     if not tok.is_fast:
@@ -849,8 +873,9 @@ def prepare_sft(jsonl: Path, tokenizer: Path, out: Path, val_fraction: float = 0
     examples = [encode_chat(tok, messages, where) for where, messages in chats]
     held_out: set[int] = set()
     if val_fraction > 0:
-        count = held_out_count(len(examples), val_fraction)
-        held_out = set(np.random.default_rng(seed).permutation(len(examples))[:count].tolist())
+        order = np.random.default_rng(seed).permutation(len(examples))
+        check_held_out_window([len(examples[i][0]) for i in order], val_fraction, seq_len)
+        held_out = set(order[: held_out_count(len(examples), val_fraction)].tolist())
     splits = {out: [e for i, e in enumerate(examples) if i not in held_out]}
     if held_out:
         splits[out.with_name("val.bin")] = [examples[i] for i in sorted(held_out)]
@@ -867,6 +892,28 @@ def prepare_sft(jsonl: Path, tokenizer: Path, out: Path, val_fraction: float = 0
     return sum(len(e[0]) for e in splits[out])
 
 
+def check_held_out_window(lengths: list[int], val_fraction: float, seq_len: int) -> None:
+    """Refuse held-out chats that hold fewer tokens than one window of seq_len + 1, which validation reads whole.
+
+    `lengths` are the chats' token counts in the order they are held out: --val-fraction f holds out the
+    first held_out_count(chats, f) of them, so the refusal can name the fraction of the fewest that hold enough.
+    """
+    window, rows = seq_len + 1, len(lengths)
+    count = held_out_count(rows, val_fraction)
+    if sum(lengths[:count]) >= window:
+        return
+    what = f"--val-fraction {val_fraction} holds out {count} of {rows} chats, {sum(lengths[:count])} tokens"
+    need = f"fewer than one window of --seq-len {seq_len} + 1 = {window}, which validation reads"
+    enough = next((k for k, total in enumerate(itertools.accumulate(lengths), 1) if total >= window), rows)
+    fraction = math.ceil(1000 * enough / rows) / 1000
+    if fraction < 1 and math.ceil(rows * fraction) < rows:
+        count = held_out_count(rows, fraction)
+        fix = f"pass --val-fraction {fraction:g} ({count} chats, {sum(lengths[:count])} tokens)"
+    else:
+        fix = f"the {rows} chats hold {sum(lengths)} tokens in all: add chats, or pass a lower --seq-len"
+    raise UsageError(f"{what}, {need}: {fix}, or --val-fraction 0 and eval.path = a held-out file of your own")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Data tools.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -879,12 +926,18 @@ def main(argv: list[str] | None = None) -> None:
     )  # fmt: skip
     source.add_argument(
         "--jsonl", type=Path, help='chats, one per line: {"messages": [...]} or {"prompt": ..., "response": ...} '
-        "(for data.source = sft; writes the mask of scored tokens beside --out)",
+        "(for data.source = sft; writes the mask of scored tokens beside --out: each assistant turn as the chat "
+        "template writes it, its end-of-turn marker and anything the template puts after the marker, such as "
+        "ChatML's newline, included; never a system or user turn, a generation prompt or a chat's first token)",
     )  # fmt: skip
     p.add_argument("--tokenizer", type=Path, required=True, help="a local tokenizer directory")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--text-column", default="text", help="--dataset: the column holding the text")
     p.add_argument("--val-fraction", type=float, default=0.01, help="share of rows held out into val.bin beside --out")
+    p.add_argument(
+        "--seq-len", type=int, default=SEQ_LEN, help="--jsonl: train.seq_len of the config that trains on --out; "
+        "val.bin must hold one window of it + 1 tokens (default: %(default)s, the debug config's)",
+    )  # fmt: skip
     p.add_argument(
         "--processes", type=int, default=default_processes(), help="--dataset: processes that tokenize (default: "
         "every core this process may use)",
@@ -896,9 +949,11 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--val-fraction {args.val_fraction} must be in [0, 1)")
     if args.processes < 1:
         parser.error(f"--processes {args.processes} must be at least 1")
+    if args.seq_len < 1:
+        parser.error(f"--seq-len {args.seq_len} must be at least 1")
     try:
         if args.jsonl:
-            prepare_sft(args.jsonl, args.tokenizer, args.out, args.val_fraction)
+            prepare_sft(args.jsonl, args.tokenizer, args.out, args.val_fraction, seq_len=args.seq_len)
         else:
             prepare(
                 args.dataset, args.tokenizer, args.out, args.text_column, args.val_fraction, processes=args.processes

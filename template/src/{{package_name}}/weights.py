@@ -14,8 +14,10 @@ import and export alike. Nothing here knows a model by name: names, layouts, tie
 config.json come from the model and its spec, which the trainer resolves once and passes in
 (`load` and `save`, for tools and tests, resolve it from the config). A LoRA model
 (finetune.method=lora) starts from pretrained or seeded base weights plus seeded adapters, and
-exports plain weights with the adapters merged in, which load anywhere the base model does.
-Converting a distributed checkpoint offline: convert.py."""
+exports plain weights with the adapters merged in, which load anywhere the base model does, and
+the adapters alone as a PEFT adapter directory beside them (export/adapter: save_adapter), where
+the Hugging Face layout only renames the adapted layers. Converting a distributed checkpoint
+offline: convert.py."""
 
 from __future__ import annotations
 
@@ -33,17 +35,20 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.tensor import DTensor
 
 from .checkpoint import checkpoint_to_resume, plain_tensors
 from .config import Config, UsageError
 from .models import ModelConfig, ModelSpec, model_spec
 from .models.config_math import mismatches
-from .models.lora import LoraSettings, apply_lora, initial_adapters, merge_adapters
+from .models.lora import ADAPTERS, LoraSettings, apply_lora, initial_adapters, merge_adapters, peft_adapter
 from .models.spec import StateDict
 from .strategy import Strategy
 
 logger = logging.getLogger(__name__)
 INDEX = "model.safetensors.index.json"
+ADAPTER_DIR = "adapter"
+"""An export's subdirectory that holds a LoRA run's adapters alone, as PEFT saves them (save_adapter)."""
 
 
 def shared_keys(model: torch.nn.Module) -> dict[str, str]:
@@ -223,10 +228,11 @@ def export_weights(model: torch.nn.Module, cfg: Config, spec: ModelSpec, out: Pa
     fmt, f = cfg.checkpoint.export, cfg.finetune
     layout = file_layout(spec, cfg.model, fmt)
     state = plain_tensors(get_model_state_dict(model))
+    merged = state
     if f.method == "lora":  # plain weights under the base names: W + (alpha / rank) B A, merged shard by shard
-        state = merge_adapters(state, f.lora_alpha / f.lora_rank)
+        merged = merge_adapters(state, f.lora_alpha / f.lora_rank)
     # DCP's writer takes contiguous shards only: a view the adapter made (a transpose) is copied, shard by shard.
-    stored = {k: v.contiguous() for k, v in layout.stored(state).items()}
+    stored = {k: v.contiguous() for k, v in layout.stored(merged).items()}
     if is_main and out.exists():
         shutil.rmtree(out)  # a previous export of this run dir (an extended run): replaced whole
     dist.barrier()
@@ -246,6 +252,55 @@ def export_weights(model: torch.nn.Module, cfg: Config, spec: ModelSpec, out: Pa
         if fmt == "hf":
             (out / "config.json").write_text(spec.hf.config_json(cfg.model))
         logger.info("exported %s weights to %s (%d file(s))", fmt, out, len(files))
+    if f.method == "lora" and spec.hf:  # PEFT adapts transformers' modules, by their names
+        export_adapter(state, cfg, spec, out / ADAPTER_DIR, is_main)
+
+
+def peft_modules(spec: ModelSpec, cfg: ModelConfig) -> dict[str, str] | None:
+    """This repo's name of each layer -> its transformers module's, for PEFT, which adapts transformers' modules
+    by name; None where the Hugging Face adapter does more than rename a weight alone (fuses, splits or
+    transposes it): no transformers module then computes what an adapted layer does."""
+    if spec.hf is None:
+        return None
+    modules = {}
+    for key, tensor in build_model_on_meta(spec, cfg).state_dict().items():
+        try:
+            ((theirs, same),) = spec.hf.to_hf({key: tensor}).items()
+        except (KeyError, ValueError):  # the adapter needs other weights beside this one
+            return None
+        if same is not tensor:
+            return None
+        modules[key.rpartition(".")[0]] = theirs.rpartition(".")[0]
+    return modules
+
+
+def export_adapter(state: dict[str, torch.Tensor], cfg: Config, spec: ModelSpec, out: Path, is_main: bool) -> None:
+    """The adapters of a LoRA model's state dict, gathered whole (a collective: every rank calls this), written
+    by rank 0 as a PEFT adapter directory (save_adapter). They are small: r (in + out) values per layer."""
+    modules = peft_modules(spec, cfg.model)
+    if modules is None:
+        if is_main:
+            logger.warning("no PEFT adapter directory: model.name=%s's Hugging Face layout transforms its weights, "
+                           "so no transformers module computes what an adapted layer does", cfg.model.name)  # fmt: skip
+        return
+    adapters = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()
+                if k.rpartition(".")[2] in ADAPTERS}  # fmt: skip
+    if is_main:
+        save_adapter(adapters, cfg, out, modules)
+        logger.info("exported the LoRA adapters alone to %s (peft.PeftModel.from_pretrained loads them)", out)
+
+
+def save_adapter(state: dict[str, torch.Tensor], cfg: Config, out: Path, modules: dict[str, str]) -> Path:
+    """Write the adapters of a full LoRA state dict (this repo's names) into `out`, in one process, as PEFT does:
+    adapter_config.json and adapter_model.safetensors, under the transformers module names of the base model
+    (checkpoint.init_from; `modules`: peft_modules), which `peft.PeftModel.from_pretrained(base_model, out)` adapts."""
+    base = cfg.checkpoint.init_from or None
+    tensors, config = peft_adapter(state, cfg.finetune, modules.__getitem__, base)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, out / "adapter_model.safetensors",
+              metadata={"format": "pt"})  # fmt: skip
+    return out
 
 
 def save(state: dict[str, torch.Tensor], cfg: ModelConfig, out: Path, fmt: str) -> Path:

@@ -8,14 +8,16 @@ step; every other parameter (embeddings, norms, head) is frozen too. It runs on 
 before activation checkpointing, compile and sharding, so those see the adapted layers, and FSDP
 keeps each block's frozen and trainable parameters in one group (it reduces only the gradients
 that exist). `merge_adapters` folds the adapters into plain weights, W + (alpha / rank) B A, for
-exports. With bf16 or fp16 compute, `apply_frozen_dtype` stores the frozen weights in that
-dtype: only the adapters need fp32 master weights. Plain torch: nothing here imports
+exports; `peft_adapter` gives the adapters alone as a PEFT LoRA adapter, for the export beside them.
+With bf16 or fp16 compute, `apply_frozen_dtype` stores the frozen weights in that dtype: only the
+adapters need fp32 master weights. Plain torch: nothing here imports
 torch.distributed (sharded tensors merge through their own operators).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -25,6 +27,8 @@ from torch import nn
 
 ADAPTERS = ("lora_a", "lora_b")
 """The parameter names LoRALinear adds; everything else in an adapted model is frozen."""
+PEFT_NAMES = {"lora_a": "lora_A.weight", "lora_b": "lora_B.weight"}
+"""PEFT's names for A and B, after the module's: the same shapes (r x in, out x r) and the same scale, alpha / r."""
 
 
 @dataclass(frozen=True)
@@ -173,3 +177,28 @@ def merge_adapters(state: dict[str, torch.Tensor], scale: float) -> dict[str, to
             # In the adapters' fp32; the sum keeps the weight's dtype (frozen weights may be bf16).
             merged[f"{prefix}.weight"] = (weight + scale * (b @ a)).to(weight.dtype)
     return merged
+
+
+def peft_adapter(
+    state: dict[str, torch.Tensor], cfg: LoraSettings, hf_module: Callable[[str], str], base: str | None
+) -> tuple[dict[str, torch.Tensor], dict]:
+    """The adapters of `state` as PEFT saves a LoRA adapter: its tensors and adapter_config.json.
+
+    `hf_module` maps a LoRALinear's name here to its transformers module's name (weights.py knows the
+    layout); `base` is the base model's directory, for base_model_name_or_path. With them,
+    `peft.PeftModel.from_pretrained(base_model, directory)` adds (lora_alpha / r) B A x to each targeted
+    layer of the transformers base model, which is what LoRALinear computes.
+    """
+    tensors, targets = {}, set()
+    for key, value in state.items():
+        layer, _, name = key.rpartition(".")
+        if name in PEFT_NAMES:
+            module = hf_module(layer)
+            tensors[f"base_model.model.{module}.{PEFT_NAMES[name]}"] = value
+            targets.add(module.rpartition(".")[2])
+    config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": cfg.lora_rank,
+        "lora_alpha": cfg.lora_alpha, "target_modules": sorted(targets), "lora_dropout": 0.0, "bias": "none",
+        "fan_in_fan_out": False, "use_rslora": False, "modules_to_save": None, "inference_mode": True,
+    }  # fmt: skip
+    return tensors, config
