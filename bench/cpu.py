@@ -125,9 +125,9 @@ def state_bytes(project: Path, run: Path) -> tuple[int, int]:
     report = json.loads((run / "probe_rank0.json").read_text())
     sys.path.insert(0, str(project / "src"))
     from bench_pkg.config import load_config
-    from bench_pkg.plan import ModelShape
+    from bench_pkg.models import model_shape
 
-    n_params = ModelShape.of(load_config(["--config", str(project / "configs" / "debug.toml")]).model).P
+    n_params = model_shape(load_config(["--config", str(project / "configs" / "debug.toml")]).model).P
     return report["memory"]["state_bytes"], n_params
 
 
@@ -144,6 +144,7 @@ from pathlib import Path
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from bench_pkg import train, weights
 from bench_pkg.config import load_config
+from bench_pkg.models import model_spec
 
 PAGE = 4096
 
@@ -171,19 +172,21 @@ def peak_added(work) -> int:
 
 
 jobs, out = sys.argv[1], Path(sys.argv[2])
-env = train.init_distributed(load_config(sys.argv[3:]))
+first = load_config(sys.argv[3:])
+spec = model_spec(first.model.name)
+env = train.init_distributed(first, spec)
 for job in jobs.split(","):  # op=path, each on a model of its own
     op, path = job.split("=", 1)
     cfg = load_config(sys.argv[3:])
-    model = train.build_model_meta(cfg, env, init_weights=False)
+    model = train.build_model_meta(cfg, spec, env, init_weights=False)
     if op == "load_sharded":
         cfg.checkpoint.init_from = path
-        added = peak_added(lambda: weights.load_pretrained(model, cfg))
+        added = peak_added(lambda: weights.load_pretrained(model, cfg, spec))
     elif op == "load_rank0":
         full_state = lambda: weights.load(Path(path), cfg.model)  # noqa: E731
         added = peak_added(lambda: env.strategy.apply_weights_from_rank0(model, full_state))
     elif op == "export_sharded":
-        added = peak_added(lambda: weights.export_weights(model, cfg, Path(path), env.is_main))
+        added = peak_added(lambda: weights.export_weights(model, cfg, spec, Path(path), env.is_main))
     else:
         def gather_and_save():
             full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

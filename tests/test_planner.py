@@ -1,5 +1,5 @@
 """The memory planner: hand-computed figures, and question time (hooks/plan.jinja) agreeing with
-run time (the generated plan.py) on a grid of inputs."""
+run time (the generated plan package) on a grid of inputs."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def jinja(macro: str, *args):
 
 @pytest.fixture(scope="module")
 def plan(tmp_path_factory):
-    """The generated plan.py module, imported from a render: an hf_causal_lm one, whose registry has llama too."""
+    """The generated plan package, imported from a render: an hf_causal_lm one, whose registry has llama too."""
     answers = {"accelerator": "cpu", "package_name": "planpkg", "model_type": "hf_causal_lm"}
     root = render(tmp_path_factory.mktemp("plan") / "p", answers)
     sys.path.insert(0, str(root / "src"))
@@ -38,11 +38,19 @@ def plan(tmp_path_factory):
         sys.path.remove(str(root / "src"))
 
 
-def shape(plan, preset: str):
-    from planpkg.config import ModelConfig
+def model_config(size: str, **fields):
+    """The hyperparameters of preset `size` (llama's, or of the model `fields` name) as the generated repo reads them."""
+    from planpkg.models import model_spec
 
-    fields = {k: v for k, v in PRESETS[preset].items() if k not in ("seq_len", "micro_batch_size")}
-    return plan.ModelShape.of(ModelConfig(**fields))
+    shapes = {k: v for k, v in PRESETS[size].items() if k not in ("seq_len", "micro_batch_size")}
+    return model_spec(fields.get("name", "llama")).config(**shapes | fields)
+
+
+def shape(plan, preset: str, **fields):
+    """The preset's sizes and cost terms as its model module declares them (llama's, or the model `fields` name)."""
+    from planpkg.models import model_shape
+
+    return model_shape(model_config(preset, **fields))
 
 
 def test_llama_8b_on_8_gpus_by_hand(plan):
@@ -184,7 +192,7 @@ def test_question_time_and_run_time_memory_agree(plan):
 
 
 def test_question_time_and_run_time_recommendations_agree(plan, tmp_path):
-    from planpkg.config import Config, FinetuneConfig, HardwareConfig, ModelConfig, ParallelConfig, TrainConfig
+    from planpkg.config import Config, FinetuneConfig, HardwareConfig, ParallelConfig, TrainConfig
 
     differ = 0
     for preset, precision, (gpus, nodes), memory, link, finetune in itertools.product(
@@ -192,9 +200,8 @@ def test_question_time_and_run_time_recommendations_agree(plan, tmp_path):
         ["full", "lora"],
     ):  # fmt: skip
         p = PRESETS[preset]
-        model = ModelConfig(**{k: v for k, v in p.items() if k not in ("seq_len", "micro_batch_size")}, preset=preset)
         cfg = Config(
-            model=model,
+            model=model_config(preset, preset=preset),
             train=TrainConfig(seq_len=p["seq_len"], micro_batch_size=p["micro_batch_size"],
                               global_batch_size=p["micro_batch_size"] * gpus * nodes),
             parallel=ParallelConfig(mixed_precision=precision),
@@ -280,11 +287,18 @@ def test_tensor_parallel_splits_what_one_rank_holds_by_hand(plan):
     assert plan.activation_bytes_per_token(s, "bf16", "full", tensor_parallel=4) == 2 * h / 4
     tokens, logits = 4 * 8192, 128256 * (2 + 12)  # the logits stay whole on every rank
     assert four.activations == tokens * (80 * 4096 + 136_192 + logits) == 74_037_854_208
-    # Without sequence parallelism (transformers' plans) the norms and each block's input stay whole.
+    # Without sequence parallelism the norms and each block's input stay whole.
     whole = functools.partial(plan.activation_bytes_per_token, s, "bf16", tensor_parallel=4, sequence_parallel=False)
     assert whole("none") == 16 * h + 2 * (2 * h + (3 * h + 2 * kv + 4 * f) / 4) == 234_496
     assert whole("selective") == 2 * (3 * h + (2 * h + 2 * kv + 2 * f) / 4) == 87_040
     assert whole("full") == 2 * h
+    # transformers' decoder layers (models/hf.py) under their own plan, which splits no sequence: their norms keep
+    # the fp32 input and the normalised output in bf16 (8h + 2 x 2h, whole), the inputs of the split matmuls are
+    # whole (2h), and no copy of the attention output is kept.
+    theirs = functools.partial(plan.activation_bytes_per_token, shape(plan, "70b", name="hf_causal_lm"), "bf16",
+                               tensor_parallel=4, sequence_parallel=False)  # fmt: skip
+    assert theirs("none") == 8 * h + 2 * (4 * h + (2 * h + 2 * kv + 4 * f) / 4) == 197_632
+    assert (theirs("selective"), theirs("full")) == (whole("selective"), whole("full"))
     four_whole = plan.memory_plan(s, tensor_parallel=4, sequence_parallel=False, **kw)
     assert four_whole.activations - four.activations == tokens * (80 * (2 * h - 2 * h / 4) + 234_496 - 136_192)
     # FSDP moves 1/4 of the parameters among 8 data-parallel ranks: 2P (two bf16 gathers + fp32 grads) x 7/8.
@@ -296,13 +310,11 @@ def test_tensor_parallel_splits_what_one_rank_holds_by_hand(plan):
 
 
 def hardware_config(preset, precision, gpus, nodes, memory, intra, inter, arch, **model_fields):
-    from planpkg.config import Config, HardwareConfig, ModelConfig, ParallelConfig, TrainConfig
+    from planpkg.config import Config, HardwareConfig, ParallelConfig, TrainConfig
 
     p = PRESETS[preset]
-    fields = {k: v for k, v in p.items() if k not in ("seq_len", "micro_batch_size")} | model_fields
-    model = ModelConfig(**fields, preset=preset)
     return Config(
-        model=model,
+        model=model_config(preset, preset=preset, **model_fields),
         train=TrainConfig(seq_len=p["seq_len"], micro_batch_size=p["micro_batch_size"],
                           global_batch_size=p["micro_batch_size"] * gpus * nodes),
         parallel=ParallelConfig(mixed_precision=precision),
@@ -346,12 +358,13 @@ def test_question_time_and_run_time_agree_with_tensor_parallelism(plan):
     checked, split = 0, set()
     for i, (preset, precision, ac, sharding, offload, (gpus, nodes), tp, accum) in enumerate(TP_GRID):
         seq, mbs = PRESETS[preset]["seq_len"], PRESETS[preset]["micro_batch_size"]
-        # Sequence parallelism (llama's plan) or not (transformers'), by the parity of the index's bits:
-        # each half of the grid still spans every other choice, and the grid takes no longer.
+        # llama's blocks and plan (sequence parallelism) or transformers' (hf_causal_lm), by the parity of the
+        # index's bits: each half of the grid still spans every other choice, and the grid takes no longer.
         sp = bin(i).count("1") % 2 == 0
         q = json.loads(jinja("memory_plan", preset, seq, mbs, precision, ac, sharding, offload, gpus, nodes, accum,
                              False, False, 0, "none", "full", tp, sp))  # fmt: skip
-        r = plan.memory_plan(shape(plan, preset), seq_len=seq, micro_batch_size=mbs, precision=precision, ac=ac,
+        s = shape(plan, preset) if sp else shape(plan, preset, name="hf_causal_lm")
+        r = plan.memory_plan(s, seq_len=seq, micro_batch_size=mbs, precision=precision, ac=ac,
                              sharding=sharding, cpu_offload=offload, gpus_per_node=gpus, num_nodes=nodes,
                              grad_accum=accum, tensor_parallel=tp, sequence_parallel=sp)  # fmt: skip
         for name in fields:
@@ -488,7 +501,7 @@ def test_question_time_and_run_time_host_memory_agree(plan):
 
 
 def test_question_time_and_run_time_recommendations_agree_on_host_memory(plan):
-    from planpkg.config import CheckpointConfig, Config, HardwareConfig, ModelConfig, ParallelConfig, TrainConfig
+    from planpkg.config import CheckpointConfig, Config, HardwareConfig, ParallelConfig, TrainConfig
 
     differ = refused = 0
     for preset, (gpus, nodes), memory, host, link, accelerator in itertools.product(
@@ -498,9 +511,8 @@ def test_question_time_and_run_time_recommendations_agree_on_host_memory(plan):
         if accelerator == "cpu" and (memory, link) != (24, "infiniband"):
             continue
         p = PRESETS[preset]
-        model = ModelConfig(**{k: v for k, v in p.items() if k not in ("seq_len", "micro_batch_size")}, preset=preset)
         cfg = Config(
-            model=model,
+            model=model_config(preset, preset=preset),
             train=TrainConfig(seq_len=p["seq_len"], micro_batch_size=p["micro_batch_size"],
                               global_batch_size=p["micro_batch_size"] * gpus * nodes),
             parallel=ParallelConfig(mixed_precision="bf16"),
@@ -555,13 +567,20 @@ def test_generated_python_reads_presets_and_defaults_from_the_rendered_table(pla
     for kind in ("xpu", "cpu"):
         assert presets.DEFAULT_PRECISION[kind] == hook("presets", "default_precision", kind, "")
     assert plan.ARCH_TFLOPS["hopper"] == presets.PEAK_TFLOPS["H100"] == 989.0  # a generation's flagship
-    # config.py's defaults are the debug run, by reference: none of the fields the presets set has a literal default.
-    from planpkg.config import CheckpointConfig, ModelConfig, TrainConfig
+    # The defaults of config.py and of the models' hyperparameters are the debug run's, by reference: none of the
+    # fields the presets set has a literal default. ViT's module is read from the template (this render has none).
+    from planpkg.config import CheckpointConfig, TrainConfig
+    from planpkg.models.llama import LlamaConfig
 
-    source = ast.parse((Path(plan.__file__).parent / "config.py").read_text())
-    classes = {node.name: node for node in source.body if isinstance(node, ast.ClassDef)}
+    src = Path(plan.__file__).parents[1]
+    vit = next((TEMPLATE / "template" / "src" / "{{package_name}}" / "models").glob("*vit.py*"))
+    classes = {}
+    for path in (src / "config.py", src / "models" / "llama.py", vit):
+        classes |= {node.name: node for node in ast.parse(path.read_text()).body if isinstance(node, ast.ClassDef)}
     preset_fields = {
-        "ModelConfig": set(hooks.LLAMA_PRESETS["debug"]) | set(hooks.VIT_PRESETS["vit-debug"]),
+        "BlockConfig": set(hooks.LLAMA_PRESETS["debug"]),
+        "LlamaConfig": set(hooks.LLAMA_PRESETS["debug"]),
+        "ViTConfig": set(hooks.VIT_PRESETS["vit-debug"]),
         "TrainConfig": {"steps", "global_batch_size", "micro_batch_size", "seq_len", "lr", "warmup_steps"},
         "CheckpointConfig": {"interval"},
     }
@@ -571,9 +590,9 @@ def test_generated_python_reads_presets_and_defaults_from_the_rendered_table(pla
             if isinstance(node, ast.AnnAssign) and node.target.id in names:
                 assert not isinstance(node.value, ast.Constant), f"{cls}.{node.target.id} copies a preset's value"
                 checked += 1
-    assert checked == 21
-    run, vit = hooks.DEBUG_RUN, hooks.VIT_PRESETS["vit-debug"]
-    assert (ModelConfig().dim, ModelConfig().image_size) == (hooks.LLAMA_PRESETS["debug"]["dim"], vit["image_size"])
+    assert checked == 26  # the blocks' 5, the decoder's 5, the ViT's 9, training's 6, checkpoints' 1
+    run = hooks.DEBUG_RUN
+    assert LlamaConfig().dim == hooks.LLAMA_PRESETS["debug"]["dim"]
     train = TrainConfig()
     assert (train.steps, train.lr, CheckpointConfig().interval) == (run["steps"], run["lr"], run["checkpoint_interval"])
 

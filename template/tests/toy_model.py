@@ -7,16 +7,34 @@ biases, an untied head, so nothing can work by accident through Llama-specific c
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import ModelConfig
-from .spec import ModelShape, ModelSpec
+from .spec import ModelConfig, ModelShape, ModelSpec
+
+
+@dataclass
+class ToyConfig(ModelConfig):
+    name: str = "toy"
+    """Model family; models/__init__.py maps it to the module that defines it."""
+    vocab_size: int = 256
+    """Vocabulary size."""
+    dim: int = 64
+    """Hidden size."""
+    n_layers: int = 2
+    """Blocks."""
+    ffn_hidden_dim: int = 128
+    """Width of each block's MLP."""
+
+    def errors(self, seq_len: int) -> list[str]:
+        return [] if self.ffn_hidden_dim > 0 else ["model.ffn_hidden_dim must be positive for the toy model"]
 
 
 class ToyBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ToyConfig):
         super().__init__()
         self.norm = nn.LayerNorm(cfg.dim)
         self.up = nn.Linear(cfg.dim, cfg.ffn_hidden_dim)
@@ -27,7 +45,7 @@ class ToyBlock(nn.Module):
 
 
 class Toy(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ToyConfig):
         super().__init__()
         self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(ToyBlock(cfg) for _ in range(cfg.n_layers))
@@ -62,20 +80,24 @@ class Toy(nn.Module):
         """No buffers."""
 
 
-def toy_shape(m: ModelConfig) -> ModelShape:
+@dataclass(frozen=True)
+class ToyShape(ModelShape):
+    def activation_bytes(self, p: int, ac: str, **parallel) -> float:
+        """LayerNorm's input and output, the MLP's hidden layer before and after GELU; or the block input."""
+        return {"none": p * (2 * self.h + 2 * self.f), "selective": p * (2 * self.h + self.f)}.get(ac, p * self.h)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        return 6 * (self.P - self.lookups)  # no attention
+
+
+def toy_shape(m: ToyConfig) -> ModelShape:
     block = 2 * m.dim * m.ffn_hidden_dim + m.ffn_hidden_dim + 3 * m.dim  # up, down (+ biases), LayerNorm
     outside = 2 * m.vocab_size * m.dim  # embedding and head
     P = block * m.n_layers + outside
-    return ModelShape(P, block, outside, m.n_layers, m.dim, kv=0, f=m.ffn_hidden_dim, V=m.vocab_size)
+    # No attention: no FLOPs but the matmuls', and neither the embedding nor the norms multiply.
+    not_multiplied = m.vocab_size * m.dim + 2 * m.dim * m.n_layers
+    return ToyShape(P, block, outside, m.n_layers, m.dim, kv=0, f=m.ffn_hidden_dim, V=m.vocab_size,
+                    lookups=not_multiplied)  # fmt: skip
 
 
-def toy_flops(model: nn.Module, cfg: ModelConfig, seq_len: int) -> int:
-    """No attention: 6 x the parameters of the matmuls (everything but the lookup table and norms)."""
-    return 6 * sum(p.numel() for name, p in model.named_parameters() if "norm" not in name and "embed" not in name)
-
-
-def toy_errors(cfg) -> list[str]:
-    return [] if cfg.model.ffn_hidden_dim > 0 else ["model.ffn_hidden_dim must be positive for the toy model"]
-
-
-SPEC = ModelSpec(build=Toy, shape=toy_shape, check=toy_errors, flops_per_token=toy_flops)
+SPEC = ModelSpec(config=ToyConfig, build=Toy, shape=toy_shape)

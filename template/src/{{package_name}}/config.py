@@ -5,6 +5,12 @@
 Every field has one line of documentation, which is also its `--help` text. Values are
 checked in `Config.validate` before anything is allocated; a bad value raises UsageError
 naming the field and the fix.
+
+`[model]` belongs to the model it names: `model.name` picks a module in models/, and the table
+is read into that module's own dataclass of hyperparameters (its SPEC.config), so `--help` lists
+that model's fields. `--model.name` on the command line picks another model; the fields of the
+file's `[model]` table that the other model also has are kept, the rest describe the file's
+model and are left out. This module imports the model registry; nothing in models/ imports it.
 """
 
 from __future__ import annotations
@@ -19,17 +25,17 @@ import tomllib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import tyro
 
-from .presets import DEBUG_RUN, EXPORT_FILE_GB, LLAMA3_ROPE_SCALING, LLAMA_PRESETS, LORA, VIT_PRESETS
-
-if TYPE_CHECKING:
-    from .models.spec import ModelSpec
+from .models import ModelConfig, ModelSpec, model_spec
+from .presets import DEBUG_RUN, EXPORT_FILE_GB, LLAMA_PRESETS, LORA
 
 # The defaults are the debug run's (configs/debug.toml), from presets.py.
-DEBUG, VIT_DEBUG = LLAMA_PRESETS["debug"], VIT_PRESETS["vit-debug"]
+DEBUG = LLAMA_PRESETS["debug"]
+DEFAULT_MODEL = "llama"
+"""model.name when neither the config file nor the command line names a model."""
 
 EXIT_USAGE = 2
 """Exit code of the rank that reports bad input (argparse's and tyro's code too); see TROUBLESHOOTING.md."""
@@ -56,67 +62,6 @@ def reports_errors() -> bool:
 
 Sharding = Literal["full", "shard_grad_op", "hybrid", "no_shard"]
 Precision = Literal["bf16", "fp16", "fp32"]
-
-
-@dataclass
-class RopeScaling:
-    rope_type: Literal["none", "llama3"] = "none"
-    """none: rotary frequencies from rope_theta alone; llama3: Llama 3.1's long-context rule (models/llama.py)."""
-    factor: float = LLAMA3_ROPE_SCALING["factor"]
-    """llama3: low frequencies slow down by this factor (8 for Llama 3.1 8B and 70B, 32 for Llama 3.2 1B and 3B)."""
-    low_freq_factor: float = LLAMA3_ROPE_SCALING["low_freq_factor"]
-    """llama3: wavelengths over original_max_position_embeddings / low_freq_factor are scaled in full."""
-    high_freq_factor: float = LLAMA3_ROPE_SCALING["high_freq_factor"]
-    """llama3: wavelengths under original_max_position_embeddings / high_freq_factor stay; those between blend."""
-    original_max_position_embeddings: int = LLAMA3_ROPE_SCALING["original_max_position_embeddings"]
-    """llama3: the context the model was pretrained with, before its long-context extension."""
-
-
-@dataclass
-class ModelConfig:
-    name: str = "llama"
-    """Model family; models/__init__.py maps it to the module that defines it."""
-    preset: str = "debug"
-    """Name of the size preset these shapes came from (informational)."""
-    vocab_size: int = DEBUG["vocab_size"]
-    """Vocabulary size (embedding rows and output logits)."""
-    dim: int = DEBUG["dim"]
-    """Hidden size."""
-    n_layers: int = DEBUG["n_layers"]
-    """Number of decoder blocks; each block is one FSDP unit."""
-    n_heads: int = DEBUG["n_heads"]
-    """Attention heads."""
-    n_kv_heads: int = DEBUG["n_kv_heads"]
-    """Key/value heads (grouped-query attention); must divide n_heads."""
-    ffn_hidden_dim: int = DEBUG["ffn_hidden_dim"]
-    """SwiGLU hidden size."""
-    norm_eps: float = 1e-5
-    """RMSNorm epsilon."""
-    rope_theta: float = DEBUG["rope_theta"]
-    """Rotary embedding base."""
-    rope_scaling: RopeScaling = field(default_factory=lambda: RopeScaling(**(DEBUG["rope_scaling"] or {})))
-    """Rotary frequency scaling: [model.rope_scaling] (the Llama 3.x presets set the llama3 rule)."""
-    max_seq_len: int = DEBUG["max_seq_len"]
-    """Longest sequence the rotary cache covers (the model's context; train.seq_len is what is trained)."""
-    tie_embeddings: bool = DEBUG["tie_embeddings"]
-    """Share the input embedding and output projection weights."""
-    hf_architecture: str = "llama"
-    """hf_causal_lm: the transformers model type built from the shapes above (llama, qwen2, mistral, ...)."""
-    hf_config: str = ""
-    """hf_causal_lm: a local directory with a transformers config.json to build from instead."""
-    image_size: int = VIT_DEBUG["image_size"]
-    """vit: image height and width in pixels."""
-    patch_size: int = VIT_DEBUG["patch_size"]
-    """vit: patch height and width in pixels; must divide image_size."""
-    channels: int = VIT_DEBUG["channels"]
-    """vit: image channels."""
-    num_classes: int = VIT_DEBUG["num_classes"]
-    """vit: classes to predict."""
-
-    def __post_init__(self) -> None:
-        # ModelConfig(**LLAMA_PRESETS[name]) gives the preset's rope_scaling as presets.py holds it: a dict or None.
-        if not isinstance(self.rope_scaling, RopeScaling):
-            self.rope_scaling = RopeScaling(**(self.rope_scaling or {}))
 
 
 @dataclass
@@ -307,7 +252,8 @@ class Config:
     """Device to train on; auto takes cuda or xpu when present and falls back to CPU + gloo."""
     run_dir: str = "runs/debug"
     """Directory for checkpoints and metrics of this run."""
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: ModelConfig = field(default_factory=lambda: model_spec(DEFAULT_MODEL).config())
+    """The model and its hyperparameters: `[model]`, read into the dataclass of the model `name` names."""
     train: TrainConfig = field(default_factory=TrainConfig)
     finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -327,15 +273,13 @@ class Config:
             if not ok:
                 errors.append(message)
 
-        from .models import model_spec  # the models import this module for their config types
-
         d = self.data
         try:
             spec = model_spec(m.name)
         except ValueError as error:
             errors.append(str(error))
         else:
-            errors += spec.check(self)
+            errors += m.errors(t.seq_len)
             errors += self.tensor_parallel_errors(spec)
             images = d.source in ("synthetic_images", "image_folder")
             require(
@@ -415,20 +359,19 @@ class Config:
         f, m = self.finetune, self.model
         if f.method != "lora":
             return []
-        from .models import MODELS, ModelShape, model_spec
-
-        if m.name not in MODELS:
+        try:
+            spec = model_spec(m.name)
+        except ValueError:
             return []  # validate() names the unknown model
-        if model_spec(m.name).lora is None:
+        if spec.lora is None:
             return [
                 f"finetune.method=lora: model.name={m.name} declares no LoRA layout (ModelSpec.lora in "
                 "models/spec.py says where a block's adapters go; the llama and hf_causal_lm models have one): "
                 "use finetune.method=full, or add one"
             ]
         errors = []
-        s = ModelShape.of(m)
-        widths = {"attention": min(s.h, s.kv), "mlp": min(s.h, s.f)}
-        narrowest = min(widths.values()) if f.lora_targets == "all" else widths[f.lora_targets]
+        adapted = spec.shape(m).adapted(f.lora_targets)
+        narrowest = min((min(layer.inputs, layer.outputs) for layer in adapted), default=0)
         if not 1 <= f.lora_rank <= narrowest:
             errors.append(
                 f"finetune.lora_rank={f.lora_rank} must be between 1 and {narrowest}, the width of the narrowest "
@@ -459,7 +402,7 @@ class Config:
         if plan is None:
             return [f"parallel.tensor_parallel={degree} cannot split model.name={self.model.name}: {spec.tp_refusal}; "
                     "set parallel.tensor_parallel=1"]  # fmt: skip
-        errors = plan.check(self, degree)
+        errors = plan.check(self.model, degree, self.train.seq_len)
         if p.sharding == "no_shard":
             errors.append(
                 f"parallel.tensor_parallel={degree} needs FSDP across the tensor-parallel groups: sharding=no_shard "
@@ -520,6 +463,23 @@ def _from_dict(cls: type, data: dict, where: str):
     return cls(**kwargs)
 
 
+def _model_from_table(table: object, chosen: str | None) -> ModelConfig:
+    """`[model]` read into the hyperparameters of the model it names, or of `chosen` (--model.name) with the
+    table's fields that model also has."""
+    if not isinstance(table, dict):
+        raise UsageError("config key 'model' must be a table")
+    named = table.get("name", DEFAULT_MODEL)
+    name = chosen or named
+    try:
+        cls = model_spec(name).config
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    if name != named:
+        fields = {f.name for f in dataclasses.fields(cls)}
+        table = {key: value for key, value in table.items() if key in fields}
+    return _from_dict(cls, {**table, "name": name}, "model.")
+
+
 def _check_type(name: str, hint, value):
     origin = typing.get_origin(hint)
     if origin is Literal:
@@ -550,13 +510,17 @@ def load_config(argv: list[str] | None = None) -> Config:
     pre.add_argument("--config", type=Path, default=None, help="TOML file with the run's settings")
     pre.add_argument("--eval-only", action="store_true", help="evaluate a checkpoint once (eval.only)")
     pre.add_argument("--check-only", action="store_true", help="check the inputs and exit (dist.check_only)")
+    # Read first: it decides which dataclass [model] and the --model.* flags are read into.
+    pre.add_argument("--model.name", dest="model_name", default=None, help=argparse.SUPPRESS)
     args, rest = pre.parse_known_args(argv)
-    base = Config()
+    table = {}
     if args.config is not None:
         if not args.config.is_file():
             raise UsageError(f"--config {args.config}: no such file")
         with args.config.open("rb") as f:
-            base = _from_dict(Config, tomllib.load(f), "")
+            table = tomllib.load(f)
+    model = _model_from_table(table.pop("model", {}), args.model_name)
+    base = dataclasses.replace(_from_dict(Config, table, ""), model=model)
     if args.eval_only:
         base = dataclasses.replace(base, eval=dataclasses.replace(base.eval, only=True))
     if args.check_only:

@@ -21,10 +21,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from .checkpoint import CHECKPOINT_KEY, WeightsOnlyLoadPlanner, check_finetune_matches
-from .config import FinetuneConfig, ModelConfig, load_config
-from .models import build_model, model_spec
+from .config import FinetuneConfig, load_config
+from .models import ModelConfig, build_model, model_spec
 from .models.lora import merge_adapters
-from .weights import ADAPTER_DIR, save, save_adapter
+from .weights import ADAPTER_DIR, peft_modules, save, save_adapter
 
 
 def load_checkpoint(
@@ -94,10 +94,11 @@ def main(argv: list[str] | None = None) -> None:
     else:
         cfg = load_config(rest)
         written = save(load_checkpoint(args.checkpoint, cfg.model, cfg.finetune), cfg.model, args.out, args.to)
-        if cfg.finetune.method == "lora" and model_spec(cfg.model.name).hf:  # as weights.export_weights does
+        modules = peft_modules(model_spec(cfg.model.name), cfg.model) if cfg.finetune.method == "lora" else None
+        if modules is not None:  # as weights.export_weights does
             adapters = load_checkpoint(args.checkpoint, cfg.model, cfg.finetune, merge=False)
             print(f"wrote {written}")
-            written = save_adapter(adapters, cfg, args.out / ADAPTER_DIR)
+            written = save_adapter(adapters, cfg, args.out / ADAPTER_DIR, modules)
     print(f"wrote {written}")
 
 

@@ -57,8 +57,8 @@ from .distributed import (
 )
 from .evaluate import EvalResult, check_eval_only, checkpoint_to_evaluate, evaluate
 from .metrics import MetricsLogger, init_logging, peak_tflops
-from .models import ModelShape, build_model, model_spec
-from .models.lora import apply_frozen_dtype, frozen_matmul_params, lora_rank
+from .models import ModelShape, ModelSpec, model_spec
+from .models.lora import apply_frozen_dtype, apply_lora, frozen_matmul_params, lora_rank
 from .parallelize import DTYPES, apply_ac, apply_compile, apply_float8, check_float8
 from .plan import check_plan
 from .strategy import Strategy, build_strategy
@@ -67,7 +67,7 @@ from .weights import apply_initial_weights, check_init_from, export_weights
 logger = logging.getLogger(__name__)
 
 
-def check_inputs(cfg: Config, rdzv: Rendezvous) -> tuple[torch.device, str]:
+def check_inputs(cfg: Config, spec: ModelSpec, rdzv: Rendezvous) -> tuple[torch.device, str]:
     """Refuse bad input for these ranks: the device, the plan, the data, what to resume or load, the
     backend. Each check reads only the config, the environment and the files, so every rank finds the
     same UsageError (see refuse), and a launch script finds it first (--check-only, check_launch).
@@ -80,7 +80,7 @@ def check_inputs(cfg: Config, rdzv: Rendezvous) -> tuple[torch.device, str]:
     check_data(cfg, rdzv.rank // tp, rdzv.world_size // tp)  # a tensor-parallel group shares its batches
     check_resume(cfg.checkpoint)
     check_resume_finetune(cfg)
-    check_init_from(cfg)
+    check_init_from(cfg, spec)
     check_eval_only(cfg)
     check_float8(cfg.parallel.float8, device)
     backend = resolve_backend(cfg.dist.backend, device, cpu_collectives=cfg.parallel.cpu_offload)
@@ -88,20 +88,20 @@ def check_inputs(cfg: Config, rdzv: Rendezvous) -> tuple[torch.device, str]:
     return device, backend
 
 
-def check_launch(cfg: Config) -> None:
+def check_launch(cfg: Config, spec: ModelSpec) -> None:
     """--check-only: check_inputs for the ranks a launch script is about to start (WORLD_SIZE,
     LOCAL_WORLD_SIZE), in this one process, with no process group. The scripts run it before torchrun,
     so bad input costs one message and exit code 2, and no rank starts."""
     check_init_method(cfg.dist.init_method)
     logging.disable(logging.WARNING)  # the ranks log what the checks note; this process speaks only to refuse
-    check_inputs(cfg, planned_rendezvous())
+    check_inputs(cfg, spec, planned_rendezvous())
 
 
-def init_distributed(cfg: Config) -> DistEnv:
+def init_distributed(cfg: Config, spec: ModelSpec) -> DistEnv:
     """Check the plan and the inputs, join the process group on the right device and backend, choose the strategy."""
     rdzv = rendezvous_from_env(cfg.dist.init_method)
     init_logging(rdzv.rank)
-    device, backend = check_inputs(cfg, rdzv)
+    device, backend = check_inputs(cfg, spec, rdzv)
     if device.type != "cpu":
         torch.accelerator.set_device_index(device.index)
     init_process_group(rdzv, device, backend, cfg.dist.init_method, cfg.dist.init_timeout_s)
@@ -114,17 +114,18 @@ def init_distributed(cfg: Config) -> DistEnv:
     return DistEnv(rdzv.rank, rdzv.world_size, rdzv.local_world_size, device, backend, strategy, tp)
 
 
-def build_model_meta(cfg: Config, env: DistEnv, *, init_weights: bool) -> nn.Module:
+def build_model_meta(cfg: Config, spec: ModelSpec, env: DistEnv, *, init_weights: bool) -> nn.Module:
     """Build on the meta device (with LoRA adapters for finetune.method=lora), parallelize, materialise
     this rank's shards, initialise."""
     with torch.device("meta"):
-        model = build_model(cfg.model, cfg.finetune)
+        model = spec.build(cfg.model)
+    apply_lora(model, cfg.finetune, spec.lora)
     p, strategy = cfg.parallel, env.strategy
     if cfg.finetune.method == "lora":
         apply_frozen_dtype(model, DTYPES[p.mixed_precision])
     apply_float8(model.layers, p.float8, fsdp=strategy.shards_parameters)
     # Before the wrappers rename the blocks.
-    strategy.apply_tensor_parallel(model, model_spec(cfg.model.name).tensor_parallel_plan(cfg.model))
+    strategy.apply_tensor_parallel(model, spec.tensor_parallel_plan(cfg.model))
     apply_ac(model.layers, p.activation_checkpointing, adapter_rank=lora_rank(cfg.finetune))
     if p.compile:
         apply_compile(model.layers, p.compile_backend)
@@ -133,7 +134,7 @@ def build_model_meta(cfg: Config, env: DistEnv, *, init_weights: bool) -> nn.Mod
     model.to_empty(device=env.device)
     model.tie_weights()
     if init_weights:  # a resumed run gets its weights from the checkpoint
-        apply_initial_weights(model, cfg, strategy)
+        apply_initial_weights(model, cfg, spec, strategy)
     # Non-persistent buffers are neither broadcast nor checkpointed: every rank recomputes them.
     model.init_buffers()
     model = strategy.wrap(model)
@@ -324,10 +325,11 @@ def build_join(
     return Join(joinables, throw_on_early_termination=cfg.data.join_throw)
 
 
-def build_metrics(cfg: Config, env: DistEnv, model: nn.Module, start_step: int) -> MetricsLogger:
+def build_metrics(cfg: Config, spec: ModelSpec, env: DistEnv, model: nn.Module, start_step: int) -> MetricsLogger:
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    tokens = ModelShape.of(cfg.model).tokens or cfg.train.seq_len  # per sample (patches + 1 for a ViT)
+    shape = spec.shape(cfg.model)
+    tokens = shape.tokens or cfg.train.seq_len  # per sample (patches + 1 for a ViT)
     return MetricsLogger(
         cfg,
         run_dir,
@@ -335,17 +337,18 @@ def build_metrics(cfg: Config, env: DistEnv, model: nn.Module, start_step: int) 
         start_step=start_step,
         tokens_per_step=cfg.train.global_batch_size * tokens,
         world_size=env.world_size,
-        flops_per_token=flops_per_token(cfg, env.strategy.unwrap(model), tokens),
+        flops_per_token=flops_per_token(shape, env.strategy.unwrap(model), tokens),
         peak_tflops=peak_tflops(env.device, cfg.metrics.peak_tflops),
         device=env.device,
         rank=env.rank,
     )
 
 
-def flops_per_token(cfg: Config, model: nn.Module, tokens: int) -> int:
-    """Training FLOPs per token for MFU: the model's count, less the weight gradients frozen weights skip."""
-    flops = model_spec(cfg.model.name).flops_per_token(model, cfg.model, tokens)
-    return flops - 2 * frozen_matmul_params(model)
+def flops_per_token(shape: ModelShape, model: nn.Module, tokens: int) -> float:
+    """Training FLOPs per token for MFU: the model's count (its shape's), with 6 for each parameter the built
+    model has beyond it (LoRA's adapters), less the weight gradients frozen weights skip."""
+    added = sum(p.numel() for p in model.parameters()) - shape.P
+    return shape.flops_per_token(tokens) + 6 * added - 2 * frozen_matmul_params(model)
 
 
 def refuse(error: UsageError | None) -> NoReturn:
@@ -362,8 +365,8 @@ def refuse(error: UsageError | None) -> NoReturn:
     raise SystemExit(EXIT_USAGE)
 
 
-def train_loop(cfg: Config, env: DistEnv, state: TrainState, ckpt: CheckpointManager, held_out: HeldOut | None,
-               start: int) -> int:  # fmt: skip
+def train_loop(cfg: Config, spec: ModelSpec, env: DistEnv, state: TrainState, ckpt: CheckpointManager,
+               held_out: HeldOut | None, start: int) -> int:  # fmt: skip
     """Train from step `start` to train.steps, a preemption signal or train.stop_after_steps; return the step reached.
 
     Every rank runs the same steps: per-rank data may run out unevenly, so the ranks agree on the
@@ -372,7 +375,7 @@ def train_loop(cfg: Config, env: DistEnv, state: TrainState, ckpt: CheckpointMan
     steps and when the loop ends, validation runs every eval.interval steps and at the end.
     """
     model, optimizer, scheduler, loader = state.model, state.optimizer, state.scheduler, state.loader
-    ctx, metrics, stop = build_step_context(cfg, env), build_metrics(cfg, env, model, start), StopRequest()
+    ctx, metrics, stop = build_step_context(cfg, env), build_metrics(cfg, spec, env, model, start), StopRequest()
     joining = cfg.data.uneven_inputs == "join" and loader.rank_sharded
     last = cfg.train.steps if joining else agree_on_steps(loader, cfg.train.steps, env.device)
     control, step = LoopControl(env.device, cfg.metrics.log_every, start), start
@@ -415,10 +418,11 @@ def main(argv: list[str] | None = None, *, faults: FaultHook | None = None) -> N
     """Train as the config says; `faults` is for tests that crash a save (tests/fault_train.py)."""
     try:
         cfg = load_config(argv)
+        spec = model_spec(cfg.model.name)  # the model's contract, resolved once for the run
         if cfg.dist.check_only:  # a launch script's check before it starts the ranks
-            check_launch(cfg)
+            check_launch(cfg, spec)
             return
-        env = init_distributed(cfg)
+        env = init_distributed(cfg, spec)
     except UsageError as error:
         refuse(error)
     except SystemExit as tyro_exit:  # a refused command line (tyro printed why), or --help
@@ -432,7 +436,7 @@ def main(argv: list[str] | None = None, *, faults: FaultHook | None = None) -> N
             faults=faults,
         )  # fmt: skip
         resume = checkpoint_to_evaluate(cfg, env.rank) if cfg.eval.only else ckpt.resume_path()
-        model = build_model_meta(cfg, env, init_weights=resume is None)
+        model = build_model_meta(cfg, spec, env, init_weights=resume is None)
         optimizer, scheduler = build_optimizer(cfg, model, env.strategy)
         loader = build_loader(cfg, env.dp_rank, env.dp_size, env.device)
         state = TrainState(model, optimizer, scheduler, loader, env.rank, env.strategy)
@@ -441,9 +445,9 @@ def main(argv: list[str] | None = None, *, faults: FaultHook | None = None) -> N
         if cfg.eval.only:  # score the checkpoint and stop, writing nothing
             validate(model, held_out, build_step_context(cfg, env), step, None)
             return
-        step = train_loop(cfg, env, state, ckpt, held_out, step)
+        step = train_loop(cfg, spec, env, state, ckpt, held_out, step)
         if step == cfg.train.steps and cfg.checkpoint.export != "none":
-            export_weights(model, cfg, Path(cfg.run_dir) / "export", env.is_main)
+            export_weights(model, cfg, spec, Path(cfg.run_dir) / "export", env.is_main)
         ckpt.close()
         any_rank(False, env.device)  # no rank tears down while another is still communicating
     finally:

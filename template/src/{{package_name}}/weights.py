@@ -9,11 +9,14 @@ export is `model.safetensors`, or `model-0000x-of-0000y.safetensors` with an ind
 passes checkpoint.export_file_gb (5 GB, as transformers' save_pretrained). `safetensors` keeps
 this repo's parameter names; `hf` writes a Hugging Face directory (with config.json) that
 `transformers.AutoModelForCausalLM.from_pretrained` loads, for models whose spec has a Hugging
-Face layout (models/spec.py). Nothing here knows a model by name: names, tied weights and
-config.json come from the model and its spec. A LoRA model (finetune.method=lora) starts from
-pretrained or seeded base weights plus seeded adapters, and exports plain weights with the
-adapters merged in, which load anywhere the base model does, and the adapters alone as a PEFT
-adapter directory beside them (export/adapter: save_adapter). Converting a distributed checkpoint
+Face layout (models/spec.py): its state-dict adapter maps names and tensor layouts both ways, for
+import and export alike. Nothing here knows a model by name: names, layouts, tied weights and
+config.json come from the model and its spec, which the trainer resolves once and passes in
+(`load` and `save`, for tools and tests, resolve it from the config). A LoRA model
+(finetune.method=lora) starts from pretrained or seeded base weights plus seeded adapters, and
+exports plain weights with the adapters merged in, which load anywhere the base model does, and
+the adapters alone as a PEFT adapter directory beside them (export/adapter: save_adapter), where
+the Hugging Face layout only renames the adapted layers. Converting a distributed checkpoint
 offline: convert.py."""
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -33,10 +38,11 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 
 from .checkpoint import checkpoint_to_resume, plain_tensors
-from .config import Config, FinetuneConfig, ModelConfig, UsageError
-from .models import build_model, model_spec
+from .config import Config, UsageError
+from .models import ModelConfig, ModelSpec, model_spec
 from .models.config_math import mismatches
-from .models.lora import ADAPTERS, initial_adapters, merge_adapters, peft_adapter
+from .models.lora import ADAPTERS, LoraSettings, apply_lora, initial_adapters, merge_adapters, peft_adapter
+from .models.spec import StateDict
 from .strategy import Strategy
 
 logger = logging.getLogger(__name__)
@@ -57,20 +63,39 @@ def shared_keys(model: torch.nn.Module) -> dict[str, str]:
     return aliases
 
 
-def stored_names(cfg: ModelConfig, fmt: str, model: torch.nn.Module | None = None) -> dict[str, str]:
-    """This repo's parameter name -> its name in `fmt` files (safetensors or hf); tied aliases left out."""
-    model, rename = model or build_model_on_meta(cfg), _renamer(cfg, fmt)
-    aliases = shared_keys(model)
-    return {k: rename(k) for k in model.state_dict() if k not in aliases}
+class Layout(NamedTuple):
+    """How files of one format store this model: the state-dict adapter both ways (models/spec.py's
+    HFLayout; none for this repo's own names), what goes through it, and the names it makes."""
+
+    to_files: Callable[[StateDict], StateDict]
+    """This repo's state dict -> the files' (names and layouts)."""
+    from_files: Callable[[StateDict], StateDict]
+    """The files' state dict -> this repo's."""
+    ours: tuple[str, ...]
+    """The base model's state-dict names that are stored: tied aliases are stored once, under the first
+    name (safetensors refuses shared tensors), and LoRA's adapters never (an export merges them in)."""
+    aliases: dict[str, str]
+    """Parameter names that alias an earlier one (shared_keys)."""
+    names: dict[str, list[int]]
+    """Every tensor name the files hold -> its shape."""
+
+    def stored(self, state: StateDict) -> StateDict:
+        """`state` (this repo's names) as the files hold it."""
+        return self.to_files({k: state[k] for k in self.ours})
 
 
-def _renamer(cfg: ModelConfig, fmt: str):
-    spec = model_spec(cfg.name)
-    if fmt != "hf":
-        return str
-    if spec.hf is None:
+def file_layout(spec: ModelSpec, cfg: ModelConfig, fmt: str, model: torch.nn.Module | None = None) -> Layout:
+    """How `fmt` files (safetensors: this repo's names; hf: the spec's Hugging Face layout) store the
+    model (`model`: the base model, on the meta device, if the caller has built it)."""
+    if fmt == "hf" and spec.hf is None:
         raise ValueError(f"model.name={cfg.name} has no Hugging Face layout: use safetensors")
-    return spec.hf.to_hf
+    to_files, from_files = (spec.hf.to_hf, spec.hf.from_hf) if fmt == "hf" else (dict, dict)
+    model = model or build_model_on_meta(spec, cfg)
+    aliases = shared_keys(model)
+    state = {k: v for k, v in model.state_dict().items() if k not in aliases}
+    # On the meta device: the names and shapes the adapter makes, with nothing allocated.
+    names = {k: list(v.shape) for k, v in to_files(state).items()}
+    return Layout(to_files, from_files, tuple(state), aliases, names)
 
 
 def stored_shapes(directory: Path) -> dict[str, list[int]]:
@@ -94,35 +119,35 @@ def weights_dir(path: Path) -> Path:
     return path
 
 
-def match_names(cfg: ModelConfig, directory: Path) -> dict[str, str]:
-    """How the files in `directory` name this model's parameters; ValueError naming the misfit if they do not."""
-    model = build_model_on_meta(cfg)
-    stored, aliases, expected = stored_shapes(directory), shared_keys(model), model.state_dict()
+def match_layout(spec: ModelSpec, cfg: ModelConfig, directory: Path) -> Layout:
+    """How the files in `directory` store this model; ValueError naming the misfit if they do not."""
+    model = build_model_on_meta(spec, cfg)
+    stored = stored_shapes(directory)
     misfits = []
-    for fmt in ("safetensors", "hf") if model_spec(cfg.name).hf else ("safetensors",):
-        names, rename = stored_names(cfg, fmt, model), _renamer(cfg, fmt)  # one meta build for both formats
+    for fmt in ("safetensors", "hf") if spec.hf else ("safetensors",):
+        layout = file_layout(spec, cfg, fmt, model)  # one meta build for both
         # A tied head may be stored besides its embedding; it is then ignored.
-        missing = set(names.values()) - set(stored)
-        extra = set(stored) - set(names.values()) - {rename(a) for a in aliases}
+        missing = set(layout.names) - set(stored)
+        extra = set(stored) - set(layout.names) - set(layout.to_files(model.state_dict()))
         if not missing and not extra:
             break
         misfits.append((len(missing) + len(extra), sorted(missing)[:5], sorted(extra)[:5]))
     else:
         _, missing, extra = min(misfits)
         raise ValueError(f"{directory} does not fit model {cfg.preset}: missing {missing}, unexpected {extra}")
-    shapes = [f"{name} is {stored[name]} there, {list(expected[k].shape)} here" for k, name in names.items()
-              if stored[name] != list(expected[k].shape)]  # fmt: skip
+    shapes = [f"{name} is {stored[name]} there, {shape} here" for name, shape in layout.names.items()
+              if stored[name] != shape]  # fmt: skip
     if shapes:
         raise ValueError(
             f"{directory} does not fit model {cfg.preset} (check the model.* sizes): {'; '.join(shapes[:3])}"
         )
-    return names
+    return layout
 
 
-def match_config(cfg: ModelConfig, directory: Path) -> None:
+def match_config(spec: ModelSpec, cfg: ModelConfig, directory: Path) -> None:
     """ValueError naming every field of the directory's config.json that computes otherwise than this
     model (models/config_math.py); nothing to compare without a config.json (this repo's safetensors export)."""
-    hf = model_spec(cfg.name).hf
+    hf = spec.hf
     theirs = hf.read_config(directory) if hf else None
     if theirs is None:
         return
@@ -134,7 +159,7 @@ def match_config(cfg: ModelConfig, directory: Path) -> None:
         )
 
 
-def check_init_from(cfg: Config) -> None:
+def check_init_from(cfg: Config, spec: ModelSpec) -> None:
     """Refuse, before the process group starts, checkpoint.init_from weights that do not fit the model (what
     config.json says it computes, then names and shapes), and LoRA with nothing pretrained to start from."""
     c = cfg.checkpoint
@@ -149,25 +174,25 @@ def check_init_from(cfg: Config) -> None:
         return
     try:
         directory = weights_dir(Path(c.init_from))
-        match_config(cfg.model, directory)
-        match_names(cfg.model, directory)
+        match_config(spec, cfg.model, directory)
+        match_layout(spec, cfg.model, directory)
     except ValueError as error:
         raise UsageError(f"checkpoint.init_from={c.init_from}: {error}") from None
 
 
-def load_pretrained(model: torch.nn.Module, cfg: Config) -> None:
+def load_pretrained(model: torch.nn.Module, cfg: Config, spec: ModelSpec) -> None:
     """Read checkpoint.init_from into the (sharded) model: every rank reads only the slices it holds."""
     directory = weights_dir(Path(cfg.checkpoint.init_from))
-    names = match_names(cfg.model, directory)
-    state = plain_tensors(get_model_state_dict(model))
-    stored = {names[k]: state[k] for k in names}
+    layout = match_layout(spec, cfg.model, directory)
+    stored = layout.stored(plain_tensors(get_model_state_dict(model)))
     dcp.load(stored, storage_reader=HuggingFaceStorageReader(str(directory)))
-    # DCP filled the shards in place; setting them again also re-ties what it left out (tied heads).
-    set_model_state_dict(model, {k: stored[v] for k, v in names.items()}, options=StateDictOptions(strict=False))
-    logger.info("loaded %s weights from %s", len(names), directory)
+    # DCP filled the files' tensors: views of the shards (renamed or transposed) in place, or new ones
+    # (fused). Setting the model from them, mapped back, covers both, and re-ties what it left out (tied heads).
+    set_model_state_dict(model, layout.from_files(stored), options=StateDictOptions(strict=False))
+    logger.info("loaded %s weights from %s", len(stored), directory)
 
 
-def apply_initial_weights(model: torch.nn.Module, cfg: Config, strategy: Strategy) -> None:
+def apply_initial_weights(model: torch.nn.Module, cfg: Config, spec: ModelSpec, strategy: Strategy) -> None:
     """The starting weights on every rank: checkpoint.init_from's, or rank 0's seeded init.
 
     With LoRA the adapters start from rank 0's seeded draws too (and B = 0, so the model computes
@@ -175,12 +200,12 @@ def apply_initial_weights(model: torch.nn.Module, cfg: Config, strategy: Strateg
     second, small broadcast that leaves the pretrained weights as they are.
     """
     if cfg.checkpoint.init_from:
-        load_pretrained(model, cfg)
+        load_pretrained(model, cfg, spec)
         if cfg.finetune.method == "lora":
-            meta = build_model_on_meta(cfg.model, cfg.finetune)  # the adapters' state-dict names, unwrapped
+            meta = build_model_on_meta(spec, cfg.model, cfg.finetune)  # the adapters' state-dict names, unwrapped
             strategy.apply_weights_from_rank0(model, lambda: initial_adapters(meta, cfg.train.seed), strict=False)
         return
-    strategy.apply_weights_from_rank0(model, lambda: initial_state(cfg))
+    strategy.apply_weights_from_rank0(model, lambda: initial_state(cfg, spec))
 
 
 def file_index(state: dict[str, torch.Tensor], max_bytes: float) -> dict[str, int]:
@@ -194,19 +219,20 @@ def file_index(state: dict[str, torch.Tensor], max_bytes: float) -> dict[str, in
     return index
 
 
-def export_weights(model: torch.nn.Module, cfg: Config, out: Path, is_main: bool) -> None:
+def export_weights(model: torch.nn.Module, cfg: Config, spec: ModelSpec, out: Path, is_main: bool) -> None:
     """Write the full weights to `out` (a collective: every rank calls this, and writes only its shards).
 
     DCP's Hugging Face writer has each rank write its shards under out/sharded, then rank 0 joins
     them tensor by tensor into the final files; a model in one file is named model.safetensors.
     """
     fmt, f = cfg.checkpoint.export, cfg.finetune
-    names = stored_names(cfg.model, fmt)
+    layout = file_layout(spec, cfg.model, fmt)
     state = plain_tensors(get_model_state_dict(model))
     merged = state
     if f.method == "lora":  # plain weights under the base names: W + (alpha / rank) B A, merged shard by shard
         merged = merge_adapters(state, f.lora_alpha / f.lora_rank)
-    stored = {names[k]: merged[k] for k in names}
+    # DCP's writer takes contiguous shards only: a view the adapter made (a transpose) is copied, shard by shard.
+    stored = {k: v.contiguous() for k, v in layout.stored(merged).items()}
     if is_main and out.exists():
         shutil.rmtree(out)  # a previous export of this run dir (an extended run): replaced whole
     dist.barrier()
@@ -224,29 +250,52 @@ def export_weights(model: torch.nn.Module, cfg: Config, out: Path, is_main: bool
             files[0].rename(out / "model.safetensors")
             (out / INDEX).unlink()
         if fmt == "hf":
-            (out / "config.json").write_text(model_spec(cfg.model.name).hf.config_json(cfg.model))
+            (out / "config.json").write_text(spec.hf.config_json(cfg.model))
         logger.info("exported %s weights to %s (%d file(s))", fmt, out, len(files))
-    if f.method == "lora" and model_spec(cfg.model.name).hf:  # PEFT adapts transformers' modules, by their names
-        export_adapter(state, cfg, out / ADAPTER_DIR, is_main)
+    if f.method == "lora" and spec.hf:  # PEFT adapts transformers' modules, by their names
+        export_adapter(state, cfg, spec, out / ADAPTER_DIR, is_main)
 
 
-def export_adapter(state: dict[str, torch.Tensor], cfg: Config, out: Path, is_main: bool) -> None:
+def peft_modules(spec: ModelSpec, cfg: ModelConfig) -> dict[str, str] | None:
+    """This repo's name of each layer -> its transformers module's, for PEFT, which adapts transformers' modules
+    by name; None where the Hugging Face adapter does more than rename a weight alone (fuses, splits or
+    transposes it): no transformers module then computes what an adapted layer does."""
+    if spec.hf is None:
+        return None
+    modules = {}
+    for key, tensor in build_model_on_meta(spec, cfg).state_dict().items():
+        try:
+            ((theirs, same),) = spec.hf.to_hf({key: tensor}).items()
+        except (KeyError, ValueError):  # the adapter needs other weights beside this one
+            return None
+        if same is not tensor:
+            return None
+        modules[key.rpartition(".")[0]] = theirs.rpartition(".")[0]
+    return modules
+
+
+def export_adapter(state: dict[str, torch.Tensor], cfg: Config, spec: ModelSpec, out: Path, is_main: bool) -> None:
     """The adapters of a LoRA model's state dict, gathered whole (a collective: every rank calls this), written
     by rank 0 as a PEFT adapter directory (save_adapter). They are small: r (in + out) values per layer."""
+    modules = peft_modules(spec, cfg.model)
+    if modules is None:
+        if is_main:
+            logger.warning("no PEFT adapter directory: model.name=%s's Hugging Face layout transforms its weights, "
+                           "so no transformers module computes what an adapted layer does", cfg.model.name)  # fmt: skip
+        return
     adapters = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()
                 if k.rpartition(".")[2] in ADAPTERS}  # fmt: skip
     if is_main:
-        save_adapter(adapters, cfg, out)
+        save_adapter(adapters, cfg, out, modules)
         logger.info("exported the LoRA adapters alone to %s (peft.PeftModel.from_pretrained loads them)", out)
 
 
-def save_adapter(state: dict[str, torch.Tensor], cfg: Config, out: Path) -> Path:
+def save_adapter(state: dict[str, torch.Tensor], cfg: Config, out: Path, modules: dict[str, str]) -> Path:
     """Write the adapters of a full LoRA state dict (this repo's names) into `out`, in one process, as PEFT does:
     adapter_config.json and adapter_model.safetensors, under the transformers module names of the base model
-    (checkpoint.init_from), which `peft.PeftModel.from_pretrained(base_model, out)` adapts."""
-    names = stored_names(cfg.model, "hf")  # this repo's weight name -> transformers' (the module's, + ".weight")
+    (checkpoint.init_from; `modules`: peft_modules), which `peft.PeftModel.from_pretrained(base_model, out)` adapts."""
     base = cfg.checkpoint.init_from or None
-    tensors, config = peft_adapter(state, cfg.finetune, lambda m: names[f"{m}.weight"].removesuffix(".weight"), base)
+    tensors, config = peft_adapter(state, cfg.finetune, modules.__getitem__, base)
     out.mkdir(parents=True, exist_ok=True)
     (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
     save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, out / "adapter_model.safetensors",
@@ -256,40 +305,45 @@ def save_adapter(state: dict[str, torch.Tensor], cfg: Config, out: Path) -> Path
 
 def save(state: dict[str, torch.Tensor], cfg: ModelConfig, out: Path, fmt: str) -> Path:
     """Write a full state dict (this repo's names) as `fmt` (safetensors or hf) into `out`, in one process."""
-    names = stored_names(cfg, fmt)  # a tied weight is stored once (safetensors refuses shared tensors)
+    spec = model_spec(cfg.name)
+    stored = file_layout(spec, cfg, fmt).stored(state)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {names[k]: state[k].detach().cpu().contiguous() for k in names}
+    tensors = {k: v.detach().cpu().contiguous() for k, v in stored.items()}
     if fmt == "hf":
-        (out / "config.json").write_text(model_spec(cfg.name).hf.config_json(cfg))
+        (out / "config.json").write_text(spec.hf.config_json(cfg))
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt", "layout": fmt})
     return out / "model.safetensors"
 
 
 def load(path: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """A full state dict (this repo's names) from safetensors files, in one process (tests, tools)."""
-    directory = weights_dir(Path(path))
-    names = match_names(cfg, directory)
+    spec, directory = model_spec(cfg.name), weights_dir(Path(path))
+    layout = match_layout(spec, cfg, directory)
     files = {}
     for file in directory.glob("*.safetensors"):
         with safe_open(file, "pt") as f:
-            files.update({k: f.get_tensor(k) for k in f.keys()})
-    tensors = {k: files[v] for k, v in names.items()}
-    for alias, source in shared_keys(build_model_on_meta(cfg)).items():
+            files.update({k: f.get_tensor(k) for k in f.keys() if k in layout.names})
+    tensors = layout.from_files(files)
+    for alias, source in layout.aliases.items():
         tensors[alias] = tensors[source]
     return tensors
 
 
-def build_model_on_meta(cfg: ModelConfig, finetune: FinetuneConfig | None = None) -> torch.nn.Module:
+def build_model_on_meta(spec: ModelSpec, cfg: ModelConfig, finetune: LoraSettings | None = None) -> torch.nn.Module:
+    """The model (with LoRA's adapters when `finetune` has them) on the meta device: names and shapes only."""
     with torch.device("meta"):
-        return build_model(cfg, finetune)
+        model = spec.build(cfg)
+    if finetune is not None:
+        apply_lora(model, finetune, spec.lora)
+    return model
 
 
-def initial_state(cfg: Config) -> dict[str, torch.Tensor]:
+def initial_state(cfg: Config, spec: ModelSpec) -> dict[str, torch.Tensor]:
     """Rank 0's full initial weights: a seeded random init, the same at any world size (LoRA adapters included)."""
     with torch.device("cpu"):
-        reference = build_model(cfg.model)
+        reference = spec.build(cfg.model)
     reference.init_weights(torch.Generator().manual_seed(cfg.train.seed))
     state = reference.state_dict()
     if cfg.finetune.method == "lora":
-        state |= initial_adapters(build_model_on_meta(cfg.model, cfg.finetune), cfg.train.seed)
+        state |= initial_adapters(build_model_on_meta(spec, cfg.model, cfg.finetune), cfg.train.seed)
     return state

@@ -1,6 +1,6 @@
 """What a Hugging Face config.json says a model computes, and where two such models differ.
 
-Names and shapes (weights.match_names) cannot tell apart two models that compute different
+Names and shapes (weights.match_layout) cannot tell apart two models that compute different
 functions with the same tensors: another rotary base or scaling, norm epsilon, tied embeddings,
 biases or attention window. checkpoint.init_from therefore also compares the checkpoint's
 config.json with the one this config's model exports (its spec's `hf.config_json`), field by

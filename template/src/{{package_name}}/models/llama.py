@@ -6,6 +6,9 @@ imports torch.distributed. The model is built on the meta device, sharded, mater
 
 Rotary embeddings use the rotate-half layout of Hugging Face's LlamaForCausalLM, so exported
 weights need renaming only, no permutation.
+
+Its hyperparameters are `LlamaConfig`, the `[model]` table of a config with `name = "llama"`;
+`BlockConfig` holds the blocks' part, which the ViT (models/vit.py) builds on too.
 """
 
 from __future__ import annotations
@@ -13,22 +16,101 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import ModelConfig, RopeScaling
-from .spec import (
-    HFLayout,
-    LoraLayout,
-    ModelSpec,
-    RenameTable,
-    TensorParallelPlan,
-    decoder_errors,
-    decoder_shape,
-    decoder_tp_errors,
-)
+from ..presets import LLAMA3_ROPE_SCALING, LLAMA_PRESETS
+from .lora import LoraLayout
+from .spec import HFLayout, Linear, ModelConfig, ModelShape, ModelSpec, RenameTable, TensorParallelPlan
+
+# The defaults are the debug preset's (configs/debug.toml), from presets.py.
+DEBUG = LLAMA_PRESETS["debug"]
+
+
+@dataclass
+class RopeScaling:
+    rope_type: Literal["none", "llama3"] = "none"
+    """none: rotary frequencies from rope_theta alone; llama3: Llama 3.1's long-context rule (rope_frequencies)."""
+    factor: float = LLAMA3_ROPE_SCALING["factor"]
+    """llama3: low frequencies slow down by this factor (8 for Llama 3.1 8B and 70B, 32 for Llama 3.2 1B and 3B)."""
+    low_freq_factor: float = LLAMA3_ROPE_SCALING["low_freq_factor"]
+    """llama3: wavelengths over original_max_position_embeddings / low_freq_factor are scaled in full."""
+    high_freq_factor: float = LLAMA3_ROPE_SCALING["high_freq_factor"]
+    """llama3: wavelengths under original_max_position_embeddings / high_freq_factor stay; those between blend."""
+    original_max_position_embeddings: int = LLAMA3_ROPE_SCALING["original_max_position_embeddings"]
+    """llama3: the context the model was pretrained with, before its long-context extension."""
+
+
+@dataclass
+class BlockConfig(ModelConfig):
+    """The shapes of the pre-norm transformer blocks below (`Block`), which the decoder and the ViT share."""
+
+    name: str = "llama"
+    """Model family; models/__init__.py maps it to the module that defines it."""
+    dim: int = DEBUG["dim"]
+    """Hidden size."""
+    n_layers: int = DEBUG["n_layers"]
+    """Number of blocks; each block is one FSDP unit."""
+    n_heads: int = DEBUG["n_heads"]
+    """Attention heads."""
+    n_kv_heads: int = DEBUG["n_kv_heads"]
+    """Key/value heads (grouped-query attention); must divide n_heads."""
+    ffn_hidden_dim: int = DEBUG["ffn_hidden_dim"]
+    """SwiGLU hidden size."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
+
+    def errors(self, seq_len: int) -> list[str]:
+        """Head counts that multi-head and grouped-query attention can split."""
+        errors = []
+        if self.dim % self.n_heads:
+            errors.append(f"model.dim={self.dim} must be divisible by model.n_heads={self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            errors.append(f"model.n_heads={self.n_heads} must be a multiple of n_kv_heads")
+        return errors
+
+
+@dataclass
+class LlamaConfig(BlockConfig):
+    """The decoder's hyperparameters: its blocks, and the vocabulary, rotary embeddings and head around them."""
+
+    vocab_size: int = DEBUG["vocab_size"]
+    """Vocabulary size (embedding rows and output logits)."""
+    rope_theta: float = DEBUG["rope_theta"]
+    """Rotary embedding base."""
+    rope_scaling: RopeScaling = field(default_factory=lambda: RopeScaling(**(DEBUG["rope_scaling"] or {})))
+    """Rotary frequency scaling: [model.rope_scaling] (the Llama 3.x presets set the llama3 rule)."""
+    max_seq_len: int = DEBUG["max_seq_len"]
+    """Longest sequence the rotary cache covers (the model's context; train.seq_len is what is trained)."""
+    tie_embeddings: bool = DEBUG["tie_embeddings"]
+    """Share the input embedding and output projection weights."""
+
+    def __post_init__(self) -> None:
+        # LlamaConfig(**LLAMA_PRESETS[name]) gives the preset's rope_scaling as presets.py holds it: a dict or None.
+        if not isinstance(self.rope_scaling, RopeScaling):
+            self.rope_scaling = RopeScaling(**(self.rope_scaling or {}))
+
+    def errors(self, seq_len: int) -> list[str]:
+        """A rotary decoder: attention heads, an even head size, and sequences the rotary table covers."""
+        errors = super().errors(seq_len)
+        if self.dim // self.n_heads % 2:
+            errors.append("model.dim / model.n_heads must be even for rotary embeddings")
+        if seq_len > self.max_seq_len:
+            errors.append(f"train.seq_len={seq_len} exceeds model.max_seq_len={self.max_seq_len}")
+        r = self.rope_scaling
+        if r.rope_type == "llama3" and not (
+            r.factor > 0 and 0 < r.low_freq_factor < r.high_freq_factor and r.original_max_position_embeddings > 0
+        ):
+            errors.append(
+                f"model.rope_scaling (llama3) needs factor > 0, 0 < low_freq_factor < high_freq_factor and "
+                f"original_max_position_embeddings > 0, not {r.factor}, {r.low_freq_factor}, {r.high_freq_factor} "
+                f"and {r.original_max_position_embeddings} (the Llama 3.x presets hold the published values)"
+            )
+        return errors
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None, device=None) -> torch.Tensor:
@@ -63,7 +145,7 @@ def rope_cache(
     return torch.stack([angles.cos(), angles.sin()], dim=1)
 
 
-def model_rope_cache(cfg: ModelConfig, device=None) -> torch.Tensor:
+def model_rope_cache(cfg: LlamaConfig, device=None) -> torch.Tensor:
     """The rotary table of a model with this config: its head size, context, base and scaling."""
     return rope_cache(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta, device, cfg.rope_scaling)
 
@@ -78,7 +160,7 @@ def apply_rope(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: BlockConfig):
         super().__init__()
         self.head_dim = cfg.dim // cfg.n_heads
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=False)
@@ -101,7 +183,7 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: BlockConfig):
         super().__init__()
         self.w1 = nn.Linear(cfg.dim, cfg.ffn_hidden_dim, bias=False)
         self.w3 = nn.Linear(cfg.dim, cfg.ffn_hidden_dim, bias=False)
@@ -117,7 +199,7 @@ class Block(nn.Module):
     With a rotary table it is a causal decoder layer; without, a bidirectional encoder layer.
     """
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: BlockConfig):
         super().__init__()
         self.attention_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.attention = Attention(cfg)
@@ -131,7 +213,7 @@ class Block(nn.Module):
 
 
 class Llama(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
@@ -183,8 +265,78 @@ class Llama(nn.Module):
         self.rope.copy_(model_rope_cache(self.cfg, device=self.rope.device))
 
 
+@dataclass(frozen=True)
+class DecoderShape(ModelShape):
+    """The sizes and cost terms of models built of the blocks above (the decoder, the ViT, the custom stub)."""
+
+    def activation_bytes(
+        self, p: int, ac: str, *, lora_rank: int = 0, lora_targets: str = "all", tensor_parallel: int = 1,
+        sequence_parallel: bool = True,
+    ) -> float:  # fmt: skip
+        """Bytes a block keeps for backward per token (Korthikanti et al. 2022,
+        https://arxiv.org/abs/2205.05198, redone for SwiGLU and fused attention, which keeps no seq x seq
+        scores), for hidden size h, key/value width kv, SwiGLU width f and p bytes per element:
+
+            none       16h + p (5h + 2kv + 4f)   each RMSNorm keeps its input and normalised output in
+                       fp32 (2 x 8h); then the norm outputs, q, k, v, the attention output and its
+                       re-laid-out copy, w1, w3, silu and their product
+            selective  p (5h + 2kv + 2f)         the block input and every matmul and attention output
+            full       p h                       the block input (one block is recomputed at a time)
+
+        Tensor parallelism over t ranks splits what the heads and the SwiGLU width split; sequence
+        parallelism (TP_PLAN) splits the norms and the block input by sequence, and 2h stays whole (the
+        all-gathered inputs of attention and the feed-forward, which their first matmuls keep, and in
+        selective the outputs of wo and w2 before their reduce-scatter): none 16h/t + p (2h + (3h + 2kv
+        + 4f)/t), selective p (2h + (3h + 2kv + 2f)/t), full p h/t. Without it the norms and the block
+        input are whole too: none 16h + p (2h + (3h + 2kv + 4f)/t), selective p (3h + (2h + 2kv + 2f)/t),
+        full p h.
+
+        With LoRA adapters of rank r on n layers, none keeps 8h + p (5h + 2kv + 4f - d + n r): a norm
+        with a frozen weight keeps only its fp32 input, each adapted layer its rank-r intermediate, and
+        a frozen layer no input, so d drops what only frozen layers needed (h + f with attention-only
+        adapters: the feed-forward's two inputs; h with feed-forward-only ones: the attention's input).
+        selective recomputes the adapters' matmuls, so it keeps what it keeps without them. LoRA and
+        tensor parallelism are not combined (config.py refuses it). tests/test_plan.py measures these.
+        """
+        h, kv, f, t = self.h, self.kv, self.f, tensor_parallel
+        q = t if sequence_parallel else 1  # what splits the norms and the block input: the sequence, or nothing
+        if ac == "none" and lora_rank:
+            frozen_inputs = {"all": 0, "attention": h + f, "mlp": h}[lora_targets]
+            adapted = len(self.adapted(lora_targets)) * lora_rank
+            return 8 * h + p * (5 * h + 2 * kv + 4 * f - frozen_inputs + adapted)
+        if ac == "none":
+            return 16 * h / q + p * (2 * h + (3 * h + 2 * kv + 4 * f) / t)
+        if ac == "selective":
+            return p * (2 * h + h / q + (2 * h + 2 * kv + 2 * f) / t)
+        return p * h / q
+
+
+def block_shape(
+    m: BlockConfig, outside: int, classes: int, *, shape: type[DecoderShape] = DecoderShape, **per_sample: int
+) -> DecoderShape:
+    """The blocks above (attention, SwiGLU, two RMSNorms, no biases) plus `outside` parameters around them."""
+    h, f = m.dim, m.ffn_hidden_dim
+    kv = m.n_kv_heads * (h // m.n_heads)
+    wq = wo = Linear("attention", h, h)
+    wk = wv = Linear("attention", h, kv)
+    w1 = w3 = Linear("mlp", h, f)
+    w2 = Linear("mlp", f, h)
+    block = 2 * h * h + 2 * h * kv + 3 * h * f + 2 * h
+    P = block * m.n_layers + outside
+    linears = (wq, wk, wv, wo, w1, w3, w2)
+    return shape(P, block, outside, m.n_layers, h, kv, f, classes, linears=linears, **per_sample)
+
+
+def decoder_shape(m: LlamaConfig, shape: type[DecoderShape] = DecoderShape) -> DecoderShape:
+    """The decoder: the blocks, and outside them the embedding, final norm and (untied) head; an untied
+    embedding is a lookup table (no FLOPs), a tied one is the head's matmul too."""
+    embedding = m.vocab_size * m.dim
+    outside = embedding * (1 if m.tie_embeddings else 2) + m.dim
+    return block_shape(m, outside, m.vocab_size, shape=shape, lookups=0 if m.tie_embeddings else embedding)
+
+
 # This repo's parameter names beside Hugging Face LlamaForCausalLM's ({i}: a layer, {x}: q, k, v
-# or o). Both use the rotate-half rotary layout, so weights need renaming only, never permuting.
+# or o). Both use the rotate-half rotary layout, so the state-dict adapter renames only, never permutes.
 HF_NAMES = RenameTable(
     rows=(
         ("tok_embeddings.weight", "model.embed_tokens.weight"),
@@ -201,7 +353,7 @@ HF_NAMES = RenameTable(
 )
 
 
-def hf_config_json(cfg: ModelConfig) -> str:
+def hf_config_json(cfg: LlamaConfig) -> str:
     """config.json for transformers' LlamaForCausalLM that computes what this model does.
 
     Rotary scaling is written as Meta's Llama 3.x files write it (`rope_theta`, `rope_scaling` with
@@ -231,6 +383,18 @@ def hf_config_json(cfg: ModelConfig) -> str:
     return json.dumps(config, indent=2)
 
 
+def decoder_tp_errors(m: LlamaConfig, degree: int, seq_len: int) -> list[str]:
+    """What the decoder splits `degree` ways: heads, SwiGLU width, vocabulary, and the sequence."""
+    sizes = {"model.n_heads": m.n_heads, "model.n_kv_heads": m.n_kv_heads, "model.ffn_hidden_dim": m.ffn_hidden_dim,
+             "model.vocab_size": m.vocab_size, "train.seq_len": seq_len}  # fmt: skip
+    return [
+        f"parallel.tensor_parallel={degree} must divide {name}={size}"
+        + (" (sequence parallelism splits every sequence between the ranks)" if name == "train.seq_len" else "")
+        for name, size in sizes.items()
+        if size % degree
+    ]
+
+
 # Megatron-style tensor parallelism with sequence parallelism (torchtitan's Llama plan): q, k, v
 # and SwiGLU's w1, w3 split by output features (whole heads per rank), wo and w2 by input
 # features, the norms on each rank's part of the sequence. Per block forward that is two
@@ -254,12 +418,12 @@ TP_PLAN = TensorParallelPlan(
 )
 
 SPEC = ModelSpec(
+    config=LlamaConfig,
     build=Llama,
     shape=decoder_shape,
-    check=decoder_errors,
     hf=HFLayout(
-        to_hf=lambda name: HF_NAMES.rename(name, to_hf=True),
-        from_hf=lambda name: HF_NAMES.rename(name, to_hf=False),
+        to_hf=HF_NAMES.to_hf,
+        from_hf=HF_NAMES.from_hf,
         config_json=hf_config_json,
     ),
     lora=LoraLayout(attention="attention", mlp="feed_forward"),

@@ -18,21 +18,37 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .spec import LoraLayout
-
-if TYPE_CHECKING:
-    from ..config import FinetuneConfig
-
 ADAPTERS = ("lora_a", "lora_b")
 """The parameter names LoRALinear adds; everything else in an adapted model is frozen."""
 PEFT_NAMES = {"lora_a": "lora_A.weight", "lora_b": "lora_B.weight"}
 """PEFT's names for A and B, after the module's: the same shapes (r x in, out x r) and the same scale, alpha / r."""
+
+
+@dataclass(frozen=True)
+class LoraLayout:
+    """Where a block keeps its attention and feed-forward linear layers (finetune.lora_targets): a model's
+    SPEC.lora (models/spec.py)."""
+
+    attention: str
+    """Name of the block's attention submodule: its linear layers are the `attention` targets."""
+    mlp: str
+    """Name of the block's feed-forward submodule: its linear layers are the `mlp` targets."""
+
+
+class LoraSettings(Protocol):
+    """The `[finetune]` settings LoRA reads: config.py's FinetuneConfig (config.py imports the models)."""
+
+    method: str
+    lora_rank: int
+    lora_alpha: float
+    lora_targets: str
 
 
 class LoRALinear(nn.Module):
@@ -75,7 +91,7 @@ def targeted(name: str, targets: str, layout: LoraLayout) -> bool:
     return name.startswith(prefix + ".")
 
 
-def apply_lora(model: nn.Module, cfg: FinetuneConfig, layout: LoraLayout | None) -> None:
+def apply_lora(model: nn.Module, cfg: LoraSettings, layout: LoraLayout | None) -> None:
     """Freeze every parameter, and give the targeted linear layers of each block a trainable adapter.
 
     A no-op for finetune.method=full. The adapters are left uninitialised (on the meta device there
@@ -130,7 +146,7 @@ def initial_adapters(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
     return state
 
 
-def lora_rank(cfg: FinetuneConfig) -> int:
+def lora_rank(cfg: LoraSettings) -> int:
     """The adapters' rank, 0 without adapters (finetune.method=full)."""
     return cfg.lora_rank if cfg.method == "lora" else 0
 
@@ -164,7 +180,7 @@ def merge_adapters(state: dict[str, torch.Tensor], scale: float) -> dict[str, to
 
 
 def peft_adapter(
-    state: dict[str, torch.Tensor], cfg: FinetuneConfig, hf_module: Callable[[str], str], base: str | None
+    state: dict[str, torch.Tensor], cfg: LoraSettings, hf_module: Callable[[str], str], base: str | None
 ) -> tuple[dict[str, torch.Tensor], dict]:
     """The adapters of `state` as PEFT saves a LoRA adapter: its tensors and adapter_config.json.
 

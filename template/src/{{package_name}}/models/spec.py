@@ -1,12 +1,14 @@
 """The model contract: what a model module declares so the rest of the repo needs no per-model code.
 
-Each model module defines `SPEC = ModelSpec(...)`; models/__init__.py maps `model.name` to the
-module. From the spec, plan.py sizes memory (`shape`), metrics.py counts FLOPs (`flops_per_token`),
-config.py checks the model's own fields (`check`), data.py feeds `inputs`, weights.py maps the
-weights to and from Hugging Face (`hf`), models/lora.py places adapters (`lora`), and
-parallelize.py splits the model for tensor parallelism (`tp_plan`). The nn.Module it builds
-meets the module contract in models/__init__.py. Plain Python and torch: nothing here imports
-torch.distributed.
+Each model module defines its hyperparameters (a dataclass extending `ModelConfig`: the `[model]`
+table of a config that names it) and `SPEC = ModelSpec(...)`; models/__init__.py maps
+`model.name` to the module. From the spec, config.py types and checks `[model]` (`config`),
+plan/ sizes memory and metrics.py counts FLOPs (`shape`: sizes and cost terms), data.py feeds `inputs`,
+weights.py maps the weights to and from Hugging Face (`hf`, a state-dict adapter), models/lora.py places adapters
+(`lora`), and parallelize.py splits the model for tensor parallelism (`tp_plan`). The nn.Module it
+builds meets the module contract in models/__init__.py. Plain Python and torch: nothing here
+imports torch.distributed, or the rest of the repo (config.py imports the models, never the other
+way round).
 """
 
 from __future__ import annotations
@@ -15,19 +17,53 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import Generic, Literal, NamedTuple, TypeVar
 
+import torch
 from torch import nn
 
 from .config_math import read_config_json
+from .lora import LoraLayout
 
-if TYPE_CHECKING:
-    from ..config import Config, ModelConfig
+
+@dataclass
+class ModelConfig:
+    """What every model's `[model]` table holds. A model module extends it with its own hyperparameters,
+    each with a default and one line of documentation (its `--help` text), and refuses the values it
+    cannot take in `errors`."""
+
+    name: str
+    """Model family; models/__init__.py maps it to the module that defines it."""
+    preset: str = "debug"
+    """Name of the size preset these shapes came from (informational)."""
+
+    def errors(self, seq_len: int) -> list[str]:
+        """Every reason this model cannot be built, or trained on `seq_len` tokens per sample (empty when it can)."""
+        return []
+
+
+C = TypeVar("C", bound=ModelConfig)
+
+
+class Linear(NamedTuple):
+    """One linear layer of a block."""
+
+    group: Literal["attention", "mlp"]
+    """The part of the block it is in, as finetune.lora_targets names them."""
+    inputs: int
+    """Input features."""
+    outputs: int
+    """Output features."""
 
 
 @dataclass(frozen=True)
 class ModelShape:
-    """What the memory and communication planner needs to know about a model (plan.py's formulas)."""
+    """What the planner (plan/) and the MFU figure (metrics.py) know of a model: its sizes, and its cost terms.
+
+    A model module subclasses it to declare what its blocks keep for backward (`activation_bytes`),
+    and, where the transformer count does not fit, its FLOPs (`flops_per_token`); tests/test_plan.py
+    measures the activations of every model in the registry against the declaration.
+    """
 
     P: int
     """Parameters in all."""
@@ -49,72 +85,46 @@ class ModelShape:
     """Tokens per sample through the blocks (0: train.seq_len)."""
     logits: int = 0
     """Positions per sample that produce logits (0: every token)."""
+    linears: tuple[Linear, ...] = ()
+    """The linear layers of a block: LoRA's adapters, float8's all-gathers and the largest tensor read them."""
+    lookups: int = 0
+    """Parameters that are read by index, not multiplied (an embedding other than a tied head): no FLOPs."""
 
-    @classmethod
-    def of(cls, cfg: ModelConfig) -> ModelShape:
-        """The shape of the model `cfg.name` names, from its spec."""
-        from . import model_spec  # the registry imports this module
+    def activation_bytes(
+        self, p: int, ac: str, *, lora_rank: int = 0, lora_targets: str = "all", tensor_parallel: int = 1,
+        sequence_parallel: bool = True,
+    ) -> float:  # fmt: skip
+        """Bytes one block keeps for backward per token: `p` bytes per element of the compute dtype,
+        activation checkpointing `ac` (none, selective, full), LoRA adapters of `lora_rank` (0: none) on
+        `lora_targets`, and tensor parallelism of `tensor_parallel` ranks, with or without sequence parallelism."""
+        raise NotImplementedError(f"{type(self).__name__} declares no activation bytes: subclass ModelShape")
 
-        return model_spec(cfg.name).shape(cfg)
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token, torchtitan's convention: 6 x the multiplied parameters, plus attention's
+        12 x blocks x hidden size x `seq_len` (2 matmuls, x3 for forward and backward, x2 for multiply-add),
+        ignoring causal sparsity as is customary."""
+        return 6 * (self.P - self.lookups) + 12 * self.L * self.h * seq_len
 
+    def adapted(self, targets: str) -> tuple[Linear, ...]:
+        """The linear layers of a block that LoRA adapts with finetune.lora_targets = `targets`."""
+        return tuple(layer for layer in self.linears if targets in ("all", layer.group))
 
-def block_shape(m: ModelConfig, outside: int, classes: int, **per_sample: int) -> ModelShape:
-    """Llama blocks (attention, SwiGLU, two RMSNorms, no biases) plus `outside` parameters around them."""
-    kv = m.n_kv_heads * (m.dim // m.n_heads)
-    block = 2 * m.dim * m.dim + 2 * m.dim * kv + 3 * m.dim * m.ffn_hidden_dim + 2 * m.dim
-    P = block * m.n_layers + outside
-    return ModelShape(P, block, outside, m.n_layers, m.dim, kv, m.ffn_hidden_dim, classes, **per_sample)
+    def adapter_params(self, rank: int, targets: str) -> int:
+        """LoRA parameters per block: rank x (in + out) for each adapted layer (0 for rank 0)."""
+        return sum(rank * (layer.inputs + layer.outputs) for layer in self.adapted(targets))
 
+    @property
+    def linear_params(self) -> int:
+        """Weights of a block's linear layers (the rest of the block: norms, biases)."""
+        return sum(layer.inputs * layer.outputs for layer in self.linears)
 
-def decoder_shape(m: ModelConfig) -> ModelShape:
-    """A Llama-style decoder: the blocks, and outside them the embedding, final norm and (untied) head."""
-    return block_shape(m, m.vocab_size * m.dim * (1 if m.tie_embeddings else 2) + m.dim, m.vocab_size)
-
-
-def transformer_flops(model: nn.Module, cfg: ModelConfig, seq_len: int) -> int:
-    """Training FLOPs per token, torchtitan's convention: 6 x matmul parameters + attention.
-
-    Embedding lookups are not matmuls (unless the weight doubles as the tied output head).
-    Attention adds 12 * layers * dim * seq_len (2 matmuls, x3 for forward and backward, x2 for
-    multiply-add), ignoring causal sparsity as is customary.
-    """
-    head = model.get_output_embeddings()
-    lookups = sum(
-        m.weight.numel()
-        for m in model.modules()
-        if isinstance(m, nn.Embedding) and (head is None or m.weight is not head.weight)
-    )
-    n_params = sum(p.numel() for p in model.parameters())
-    return 6 * (n_params - lookups) + 12 * cfg.n_layers * cfg.dim * seq_len
-
-
-def attention_errors(m: ModelConfig) -> list[str]:
-    """Head counts that multi-head and grouped-query attention can split."""
-    errors = []
-    if m.dim % m.n_heads:
-        errors.append(f"model.dim={m.dim} must be divisible by model.n_heads={m.n_heads}")
-    if m.n_heads % m.n_kv_heads:
-        errors.append(f"model.n_heads={m.n_heads} must be a multiple of n_kv_heads")
-    return errors
+    @property
+    def largest(self) -> int:
+        """Elements of the largest tensor: the embedding or head (V x h), or a block's widest layer."""
+        return max([self.V * self.h, *(layer.inputs * layer.outputs for layer in self.linears)])
 
 
-def decoder_errors(cfg: Config) -> list[str]:
-    """A rotary decoder: attention heads, an even head size, and sequences the rotary table covers."""
-    m, errors = cfg.model, attention_errors(cfg.model)
-    if m.dim // m.n_heads % 2:
-        errors.append("model.dim / model.n_heads must be even for rotary embeddings")
-    if cfg.train.seq_len > m.max_seq_len:
-        errors.append(f"train.seq_len={cfg.train.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
-    r = m.rope_scaling
-    if r.rope_type == "llama3" and not (
-        r.factor > 0 and 0 < r.low_freq_factor < r.high_freq_factor and r.original_max_position_embeddings > 0
-    ):
-        errors.append(
-            f"model.rope_scaling (llama3) needs factor > 0, 0 < low_freq_factor < high_freq_factor and "
-            f"original_max_position_embeddings > 0, not {r.factor}, {r.low_freq_factor}, {r.high_freq_factor} and "
-            f"{r.original_max_position_embeddings} (the Llama 3.x presets hold the published values)"
-        )
-    return errors
+StateDict = dict[str, torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -123,6 +133,7 @@ class RenameTable:
 
     Patterns hold `{field}` placeholders; `fields` gives the regular expression each stands for,
     e.g. `("layers.{i}.attention.w{x}.weight", "model.layers.{i}.self_attn.{x}_proj.weight")`.
+    `to_hf` and `from_hf` are the state-dict adapter (HFLayout) of a layout that only renames.
     """
 
     rows: tuple[tuple[str, str], ...]
@@ -139,15 +150,34 @@ class RenameTable:
                 return target.format(**match.groupdict())
         raise ValueError(f"no {'Hugging Face' if to_hf else 'repo'} name for parameter {name!r}")
 
+    def to_hf(self, state: StateDict) -> StateDict:
+        """`state` under the Hugging Face names: the same tensors."""
+        return {self.rename(k, to_hf=True): v for k, v in state.items()}
+
+    def from_hf(self, state: StateDict) -> StateDict:
+        """A Hugging Face state dict under this repo's names: the same tensors."""
+        return {self.rename(k, to_hf=False): v for k, v in state.items()}
+
 
 @dataclass(frozen=True)
 class HFLayout:
-    """How a model's weights map onto a Hugging Face transformers checkpoint (checkpoint.export=hf)."""
+    """How a model's weights map onto a Hugging Face transformers checkpoint (checkpoint.init_from, export=hf).
 
-    to_hf: Callable[[str], str]
-    """This repo's parameter name -> the transformers name."""
-    from_hf: Callable[[str], str]
-    """The transformers name -> this repo's parameter name."""
+    `to_hf` and `from_hf` are a state-dict adapter: functions over tensors, inverse to each other,
+    that may rename, transpose, permute, fuse or split, so a model keeps the layout it computes
+    with and still reads and writes the Hugging Face one. weights.py calls them on full tensors
+    and on this rank's shards (DTensors) alike: an export writes `to_hf` of the sharded weights,
+    and `checkpoint.init_from` reads into `to_hf` of them, then sets the model from `from_hf` of
+    what it read (torchtitan's order). So they use torch ops, which DTensor runs shard by shard: a
+    transpose or a slice is a view of the shards, while concatenating along the dimension FSDP
+    splits (Shard(0)) gathers the tensor whole on every rank. They map every key of the model's
+    state dict, a tied head's too (weights.py leaves its copy out of the files).
+    """
+
+    to_hf: Callable[[StateDict], StateDict]
+    """This repo's state dict -> the transformers one (names, and where they differ, layouts)."""
+    from_hf: Callable[[StateDict], StateDict]
+    """The transformers state dict -> this repo's."""
     config_json: Callable[[ModelConfig], str]
     """The config.json that makes `AutoModelForCausalLM.from_pretrained` build this model."""
     read_config: Callable[[Path], dict | None] = read_config_json
@@ -155,20 +185,6 @@ class HFLayout:
     what it computes with `config_json`'s (models/config_math.py)."""
     config_hint: str = ""
     """Another fix for a config.json that computes otherwise, appended to the refusal."""
-
-
-@dataclass(frozen=True)
-class LoraLayout:
-    """Where a block keeps its attention and feed-forward linear layers (finetune.lora_targets)."""
-
-    attention: str
-    """Name of the block's attention submodule: its linear layers are the `attention` targets."""
-    mlp: str
-    """Name of the block's feed-forward submodule: its linear layers are the `mlp` targets."""
-
-
-def no_errors(cfg: Config) -> list[str]:
-    return []
 
 
 @dataclass(frozen=True)
@@ -200,51 +216,38 @@ class TensorParallelPlan:
     """Modules outside the blocks: path (from the model) -> layout."""
     block: dict[str, str]
     """Modules inside every block of `layers`: path (from the block) -> layout."""
-    check: Callable[[Config, int], list[str]]
-    """Every reason the model cannot split `degree` ways (head counts and widths that do not divide)."""
+    check: Callable[[ModelConfig, int, int], list[str]]
+    """Every reason the model (its hyperparameters) cannot split `degree` ways at a sequence length
+    (head counts and widths that do not divide)."""
     sequence_parallel: bool = True
     """Split the activations between the blocks by sequence (less activation memory, and norms run on
     1/degree of the positions); False keeps them whole, for models that need every position in each
     layer (transformers builds its attention mask from the length its layers see)."""
 
 
-def decoder_tp_errors(cfg: Config, degree: int) -> list[str]:
-    """What a Llama-style decoder splits `degree` ways: heads, SwiGLU width, vocabulary, and the sequence."""
-    m = cfg.model
-    sizes = {"model.n_heads": m.n_heads, "model.n_kv_heads": m.n_kv_heads, "model.ffn_hidden_dim": m.ffn_hidden_dim,
-             "model.vocab_size": m.vocab_size, "train.seq_len": cfg.train.seq_len}  # fmt: skip
-    return [
-        f"parallel.tensor_parallel={degree} must divide {name}={size}"
-        + (" (sequence parallelism splits every sequence between the ranks)" if name == "train.seq_len" else "")
-        for name, size in sizes.items()
-        if size % degree
-    ]
-
-
 @dataclass(frozen=True)
-class ModelSpec:
+class ModelSpec(Generic[C]):
     """Everything outside models/ needs to know about one model family."""
 
-    build: Callable[[ModelConfig], nn.Module]
+    config: type[C]
+    """Its hyperparameters: the dataclass a config's `[model]` table is read into when it names this model."""
+    build: Callable[[C], nn.Module]
     """A new, uninitialised model (called under torch.device("meta") to allocate nothing)."""
-    shape: Callable[[ModelConfig], ModelShape]
-    """Sizes for the memory planner."""
+    shape: Callable[[C], ModelShape]
+    """Its sizes and cost terms, for the planner and the MFU figure."""
     inputs: Literal["tokens", "images"] = "tokens"
-    """What a batch holds: token ids (targets: the next tokens) or images (targets: class ids)."""
-    check: Callable[[Config], list[str]] = no_errors
-    """Every reason this config cannot build or feed the model (empty when it can)."""
-    flops_per_token: Callable[[nn.Module, ModelConfig, int], int] = transformer_flops
-    """Training FLOPs per token for the MFU figure (model, config, tokens per sample)."""
+    """What a batch holds: token ids (targets: the next tokens; the config has `vocab_size`) or images
+    (targets: class ids; the config has `image_size`, `channels` and `num_classes`), for data.py."""
     hf: HFLayout | None = None
     """The Hugging Face weight layout, for models transformers can load (None: export=hf refused)."""
     lora: LoraLayout | None = None
     """Where LoRA adapters go in a block (models/lora.py); None: finetune.method=lora is refused."""
-    tp_plan: TensorParallelPlan | Callable[[ModelConfig], TensorParallelPlan] | None = None
+    tp_plan: TensorParallelPlan | Callable[[C], TensorParallelPlan] | None = None
     """How tensor parallelism splits the model, or a function that makes the plan from the model's config
     (None: parallel.tensor_parallel > 1 is refused, saying `tp_refusal`); read it with `tensor_parallel_plan`."""
     tp_refusal: str = "its module declares no tensor-parallel plan (SPEC.tp_plan, models/spec.py)"
     """Why the model has no tensor-parallel plan, for the refusal."""
 
-    def tensor_parallel_plan(self, cfg: ModelConfig) -> TensorParallelPlan | None:
+    def tensor_parallel_plan(self, cfg: C) -> TensorParallelPlan | None:
         """The tensor-parallel plan of the model `cfg` describes (None: the model has none)."""
         return self.tp_plan(cfg) if callable(self.tp_plan) else self.tp_plan

@@ -1,23 +1,15 @@
-"""What `python -m <package>.plan` prints: every sharding choice's per-rank memory and per-step
-communication for a config (plan.py's formulas), or with --detect the re-sizing advice of
-plan_resize.py."""
+"""The table `python -m <package>.plan` prints: every sharding choice's per-rank memory and per-step
+communication for a config, from the formulas of plan/__init__.py."""
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
-from dataclasses import asdict
-from pathlib import Path
-
-from . import plan
-from .config import EXIT_USAGE, Config, load_config
-from .plan import (
+from ..config import Config
+from ..models import model_shape
+from . import (
     GIB,
     HEADROOM,
     HOST_MEMORY,
     SHARDINGS,
-    ModelShape,
     adapter_params,
     communication_bytes,
     estimate_tensor_parallel,
@@ -34,7 +26,7 @@ from .plan import (
 
 def format_table(cfg: Config) -> str:
     """Per-rank memory and per-step communication of every sharding choice for this config."""
-    s, hw, p = ModelShape.of(cfg.model), cfg.hardware, cfg.parallel
+    s, hw, p = model_shape(cfg.model), cfg.hardware, cfg.parallel
     unit, unit_name = (GIB, "GiB") if plan_for(cfg, sharding="no_shard").total >= GIB else (2**20, "MiB")
     widths = (15, 8, 11, 7, 10, 8, 10, 9, 7, 8, 13)
 
@@ -130,7 +122,7 @@ def lora_lines(cfg: Config, unit: float, unit_name: str) -> list[str]:
     f = cfg.finetune
     if f.method != "lora":
         return []
-    s = ModelShape.of(cfg.model)
+    s = model_shape(cfg.model)
     adapters = s.L * adapter_params(s, **lora_of(cfg))
     lora, full = plan_for(cfg).total, plan_for(cfg, finetune="full").total
     return [
@@ -138,39 +130,3 @@ def lora_lines(cfg: Config, unit: float, unit_name: str) -> list[str]:
         f"parameters ({adapters / s.P:.2%}); peak {lora / unit:.1f} {unit_name} against {full / unit:.1f} with full "
         "fine-tuning"
     ]
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=plan.__doc__.split("\n\n")[0], add_help=False)
-    parser.add_argument("--json", action="store_true", help="print the chosen plan as JSON")
-    parser.add_argument(
-        "--detect", action="store_true", help="compare this machine with the planned hardware; print how to re-size"
-    )
-    parser.add_argument(
-        "--detected",
-        type=Path,
-        metavar="FILE",
-        help=f"--detect with hardware detected elsewhere (`python -m {__package__}.hardware --out FILE` there)",
-    )
-    args, rest = parser.parse_known_args(argv)
-    if args.detect or args.detected:
-        from .plan_resize import detect_main  # which prints format_table too
-
-        try:
-            print(detect_main(rest, args.detected))
-        except ValueError as error:  # a missing file or config: say which, without a traceback
-            print(f"{__package__}.plan: error: {error}", file=sys.stderr)
-            raise SystemExit(EXIT_USAGE) from None
-        return
-    cfg = load_config(rest)
-    hw, degree = cfg.hardware, cfg.parallel.tensor_parallel
-    if hw.gpus_per_node % degree:
-        why = f"parallel.tensor_parallel={degree} does not divide the planned hardware.gpus_per_node={hw.gpus_per_node}"
-        print(f"{__package__}.plan: error: {why}: choose a divisor, or plan other hardware", file=sys.stderr)
-        raise SystemExit(EXIT_USAGE)
-    if args.json:
-        chosen = plan_for(cfg)
-        host = host_plan_for(cfg, chosen)
-        print(json.dumps({**asdict(chosen), "total": chosen.total, "node": {**asdict(host), "total": host.total}}))
-    else:
-        print(format_table(cfg))

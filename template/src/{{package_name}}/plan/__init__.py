@@ -8,12 +8,15 @@ second detects this machine's accelerators (hardware.py, the template's hwprobe.
 differ from the hardware the repo was generated for, prints the plan on them and the
 `copier update` command that re-sizes the repo. At start-up the trainer checks the plan against
 the live world size and device memory (`check_plan`). This module holds the formulas, which the
-trainer imports; plan_report.py prints the table, plan_resize.py the `--detect` advice.
+trainer imports; report.py beside it prints the table, resize.py the `--detect` advice, and
+__main__.py is the command line (both import the formulas, never the other way round).
 
 The formulas are the template's hooks/plan.jinja, which chose the defaults at generation time;
-the template's tests check that both agree. For P parameters (Pb per block, Pn outside the
-blocks), L blocks, hidden size h, key/value width kv, SwiGLU width f, vocabulary V, compute
-dtype of p bytes and T = micro_batch_size * seq_len tokens, bytes per rank are:
+the template's tests check that both agree. What they know of the model comes from the model
+module: its shape (models/spec.py's ModelShape, `SPEC.shape`) gives P parameters (Pb per block,
+Pn outside the blocks), L blocks, hidden size h, vocabulary V, a block's linear layers, and the
+bytes a block keeps for backward per token, a (`activation_bytes`). For a compute dtype of p
+bytes and T = micro_batch_size * seq_len tokens, bytes per rank are:
 
     params, grads, optim   4P, 4P and 8P over the G ranks of a shard group: fp32 parameters,
                  gradients and AdamW's two moments (on the host with CPU offload). FSDP2 keeps
@@ -25,45 +28,31 @@ dtype of p bytes and T = micro_batch_size * seq_len tokens, bytes per rank are:
                  with parallel.prefetch_blocks = n >= 2), P p for
                  shard_grad_op (nothing is freed until backward), P p for DDP under autocast.
     gradbuf      Pb (p + 4): one block's unsharded gradient and its fp32 reduce-scatter input.
-    activations  T [L a + V (p + 12)], where the V term is the logits, their fp32 copy, the
-                 log-softmax output and its gradient, and a, the bytes autograd keeps per token
-                 per block (Korthikanti et al. 2022, https://arxiv.org/abs/2205.05198, redone for
-                 SwiGLU and fused attention, which stores no seq x seq scores), is
-                   none       16h + p (5h + 2kv + 4f)   each RMSNorm keeps its input and normalised
-                              output in fp32 (2 x 8h); then the norm outputs, q, k, v, attention
-                              output and its re-laid-out copy, w1, w3, silu and their product
-                   selective  p (5h + 2kv + 2f)   block input + every matmul and attention output
-                   full       p h                 block input, plus one block recomputed at a time
-                 (tests/test_plan.py measures these with torch's MemTracker.)
+    activations  T [L a + V (p + 12)], plus one block's a with no recomputation under full
+                 activation checkpointing (the block recomputed in backward), where the V term is
+                 the logits, their fp32 copy, the log-softmax output and its gradient, and a is the
+                 model's, for the activation checkpointing mode (models/llama.py documents the
+                 built-in blocks', models/hf.py transformers' decoder layers'; tests/test_plan.py
+                 measures every model's with torch's MemTracker).
     tensor parallelism  with parallel.tensor_parallel = t, every block's matrices, the embedding
                  and the head are split t ways within a node, and the shard group G counts
                  data-parallel ranks (groups of t): params, grads and optim are over G t (the
                  norms' few replicated weights are counted as split), gathered, gradbuf and
-                 FSDP's unsharded accumulation gradients over t. Sequence parallelism (the
-                 built-in decoder's plan) splits the activations between the blocks by sequence, so
-                 a becomes
-                   none       16h/t + p (2h + (3h + 2kv + 4f)/t)
-                   selective  p (2h + (3h + 2kv + 2f)/t)
-                   full       p h/t
-                 where 2h stays whole: the all-gathered inputs of attention and the feed-forward,
-                 which their first matmuls keep, and in selective the outputs of wo and w2 before
-                 their reduce-scatter. Without it (transformers' plans, hf_causal_lm) the norms and
-                 the block input are whole too: none 16h + p (2h + (3h + 2kv + 4f)/t), selective
-                 p (3h + (2h + 2kv + 2f)/t), full p h. The logits stay whole on every rank (no
-                 loss parallelism).
+                 FSDP's unsharded accumulation gradients over t. The model's a says what its plan
+                 splits: what the heads and widths split, and with sequence parallelism (the
+                 built-in decoder's plan) the activations between the blocks, which transformers'
+                 plans (hf_causal_lm) keep whole. The logits stay whole on every rank (no loss
+                 parallelism).
 
 With LoRA (finetune.method=lora, models/lora.py) the P parameters are frozen and A adapter
-parameters train, Ab = A / L per block: r (in + out) for each adapted linear layer of rank r, so
-r (9h + 2kv + 3f) per block with every layer adapted (r (6h + 2kv) attention only, r (3h + 3f)
-feed-forward only). Then params = (p P + 4A) / G (the frozen weights are stored in the compute
-dtype, without gradients or optimizer state; only the adapters keep fp32 master weights),
-grads = 4A / G, optim = 8A / G; gathered and gradbuf count each block's Pb + Ab parameters and
-only Ab gradients (DDP's autocast copies only the adapters: A p). Per token per block, `none` keeps
-8h + p (5h + 2kv + 4f - d + n r): a norm with a frozen weight keeps only its fp32 input, each of
-the n adapted layers keeps its rank-r intermediate, and a frozen layer keeps no input, so d drops
-what only frozen layers needed (h + f with attention-only adapters: the feed-forward's two inputs;
-h with feed-forward-only ones: the attention's input). selective recomputes the adapters' matmuls
-(rank r) instead of keeping their outputs, so it keeps what it keeps without them.
+parameters train, Ab = A / L per block: r (in + out) for each adapted linear layer of rank r (for
+the built-in blocks r (9h + 2kv + 3f) with every layer adapted, r (6h + 2kv) attention only,
+r (3h + 3f) feed-forward only, for kv the key/value width and f the SwiGLU width). Then
+params = (p P + 4A) / G (the frozen weights are stored in the compute dtype, without gradients or
+optimizer state; only the adapters keep fp32 master weights), grads = 4A / G, optim = 8A / G;
+gathered and gradbuf count each block's Pb + Ab parameters and only Ab gradients (DDP's autocast
+copies only the adapters: A p), and a is the model's with adapters (what frozen layers and norms
+no longer keep, and each adapter's rank-r intermediate).
 
 The peak is params + optim + gathered + gradbuf + activations + the gradients alive during the
 forward pass: none with one micro-batch per step (zero_grad(set_to_none) frees them first);
@@ -73,7 +62,8 @@ HEADROOM (presets.py) of device memory; the rest covers the CUDA context, NCCL b
 allocator fragmentation, which `max_memory_allocated` does not count.
 
 Host memory (RAM) is planned per node (host_memory_plan), for r ranks per node, A adapter
-parameters, Lmax = max(V h, h f) elements in the largest tensor, e = 4 bytes per exported
+parameters, Lmax elements in the largest tensor (the embedding or head, V h, or a block's widest
+layer), e = 4 bytes per exported
 parameter (p with LoRA, whose export merges into the frozen dtype), F = checkpoint.export_file_gb:
 
     runtime  r x HOST_MEMORY["runtime_gb"]: each rank's process before any model state (Python,
@@ -111,10 +101,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from . import hardware
-from .config import JOB_WIDE, Config, UsageError
-from .models import ModelShape, model_spec
-from .presets import EXPORT_FILE_GB, GPU_ARCHS, HEADROOM, HOST_MEMORY, LINK_GBPS, LORA, PEAK_TFLOPS
+from .. import hardware
+from ..config import JOB_WIDE, Config, UsageError
+from ..models import ModelShape, model_shape, model_spec
+from ..presets import EXPORT_FILE_GB, GPU_ARCHS, HEADROOM, HOST_MEMORY, LINK_GBPS, LORA, PEAK_TFLOPS
 
 logger = logging.getLogger(__name__)
 
@@ -243,7 +233,7 @@ def host_memory_plan(
     r, world, cpu = gpus_per_node, gpus_per_node * num_nodes, accelerator == "cpu"
     p = 4 if precision == "fp32" else 2
     adapters = s.L * adapter_params(s, lora_rank, lora_targets) if lora_rank else 0
-    largest = max(s.V * s.h, s.h * s.f)
+    largest = s.largest
     e = p if lora_rank else 4  # bytes per exported parameter
     resident = r * m.params if cpu_offload or cpu else 0  # parameters that live in host memory
     load = r * (2 if cpu else 1) * 4 * largest + (4 * adapters if init_from else 4 * (s.P + adapters) + resident)
@@ -267,7 +257,7 @@ def host_plan_for(
     hw, c = cfg.hardware, cfg.checkpoint
     offload = cfg.parallel.cpu_offload if cpu_offload is None else cpu_offload
     return host_memory_plan(
-        ModelShape.of(cfg.model), m or plan_for(cfg), accelerator=hw.accelerator,
+        model_shape(cfg.model), m or plan_for(cfg), accelerator=hw.accelerator,
         precision=cfg.parallel.mixed_precision, gpus_per_node=ranks_per_node or hw.gpus_per_node,
         num_nodes=hw.num_nodes, cpu_offload=offload, **lora_of(cfg), checkpoint_format=c.format,
         export=c.export != "none", init_from=bool(c.init_from), export_file_gb=c.export_file_gb,
@@ -276,43 +266,27 @@ def host_plan_for(
 
 def block_gather_bytes(s: ModelShape, p: int, sharding: str, float8: str, adapters: int = 0) -> float:
     """Bytes of one all-gathered block (with its `adapters` LoRA parameters): the compute dtype, or one
-    byte per linear weight when FSDP gathers float8 (tensorwise scaling); the two norm weights stay
-    in the compute dtype."""
+    byte per linear weight when FSDP gathers float8 (tensorwise scaling); the rest of the block (norms,
+    biases) stays in the compute dtype."""
     if float8 == "tensorwise" and sharding != "no_shard":
-        return (s.Pb - 2 * s.h) + 2 * s.h * p
+        return s.linear_params + (s.Pb - s.linear_params) * p
     return (s.Pb + adapters) * p
-
-
-def adapter_layers(targets: str) -> int:
-    """Linear layers per Llama-like block that get a LoRA adapter: q, k, v, o and three SwiGLU matrices."""
-    return {"all": 7, "attention": 4, "mlp": 3}[targets]
 
 
 def adapter_params(s: ModelShape, lora_rank: int, lora_targets: str) -> int:
     """LoRA parameters per block, r (in + out) per adapted layer (the Ab of the module docstring); 0 for rank 0."""
-    attention, mlp = lora_rank * (6 * s.h + 2 * s.kv), lora_rank * (3 * s.h + 3 * s.f)
-    return {"all": attention + mlp, "attention": attention, "mlp": mlp}[lora_targets]
+    return s.adapter_params(lora_rank, lora_targets)
 
 
 def activation_bytes_per_token(
     s: ModelShape, precision: str, ac: str, lora_rank: int = 0, lora_targets: str = LORA["targets"],
     tensor_parallel: int = 1, sequence_parallel: bool = True,
 ) -> float:  # fmt: skip
-    """Bytes one block keeps for backward, per token (the `a` of the module docstring).
-
-    LoRA and tensor parallelism are not combined (config.py refuses it), so each has its own formula.
-    """
-    p, t = (4 if precision == "fp32" else 2), tensor_parallel
-    q = t if sequence_parallel else 1  # what splits the norms and the block input: the sequence, or nothing
-    if ac == "none" and lora_rank:
-        frozen_inputs = {"all": 0, "attention": s.h + s.f, "mlp": s.h}[lora_targets]
-        adapted = adapter_layers(lora_targets) * lora_rank
-        return 8 * s.h + p * (5 * s.h + 2 * s.kv + 4 * s.f - frozen_inputs + adapted)
-    if ac == "none":
-        return 16 * s.h / q + p * (2 * s.h + (3 * s.h + 2 * s.kv + 4 * s.f) / t)
-    if ac == "selective":
-        return p * (2 * s.h + s.h / q + (2 * s.h + 2 * s.kv + 2 * s.f) / t)
-    return p * s.h / q
+    """Bytes one block keeps for backward, per token (the `a` of the module docstring): the model's declaration."""
+    return s.activation_bytes(
+        4 if precision == "fp32" else 2, ac, lora_rank=lora_rank, lora_targets=lora_targets,
+        tensor_parallel=tensor_parallel, sequence_parallel=sequence_parallel,
+    )  # fmt: skip
 
 
 def sharding_candidates(num_nodes: int, inter_node_link: str, tensor_parallel: int = 1) -> tuple[str, ...]:
@@ -348,7 +322,7 @@ def plan_for(
     """The memory plan of `cfg` on its planned hardware, optionally with other choices."""
     p, hw, t = cfg.parallel, cfg.hardware, cfg.train
     return memory_plan(
-        ModelShape.of(cfg.model), seq_len=t.seq_len, micro_batch_size=t.micro_batch_size,
+        model_shape(cfg.model), seq_len=t.seq_len, micro_batch_size=t.micro_batch_size,
         precision=p.mixed_precision, ac=ac or p.activation_checkpointing, sharding=sharding or p.sharding,
         cpu_offload=p.cpu_offload if cpu_offload is None else cpu_offload,
         gpus_per_node=hw.gpus_per_node, num_nodes=hw.num_nodes,
@@ -512,7 +486,7 @@ def tensor_parallel_degrees(cfg: Config) -> list[int]:
         return [1]
     degrees, t = [1], 2
     while t <= hw.gpus_per_node:
-        if hw.gpus_per_node % t == 0 and not plan.check(cfg, t):
+        if hw.gpus_per_node % t == 0 and not plan.check(cfg.model, t, cfg.train.seq_len):
             degrees.append(t)
         t *= 2
     return degrees
@@ -524,7 +498,7 @@ def estimate_tensor_parallel(cfg: Config, degree: int, base_micro_batch: int) ->
     A group of `degree` GPUs starts from `base_micro_batch` sequences per GPU, so its micro-batch
     (and the global batch) matches FSDP alone's until the memory runs out.
     """
-    hw, s = cfg.hardware, ModelShape.of(cfg.model)
+    hw, s = cfg.hardware, model_shape(cfg.model)
     world, precision = hw.gpus_per_node * hw.num_nodes, cfg.parallel.mixed_precision
     for i in range(12):
         micro = base_micro_batch * degree // 2**i
@@ -605,7 +579,7 @@ def check_plan(cfg: Config, world_size: int, device: torch.device, ranks_per_nod
         )
     message = "; ".join(problems) + (
         ". Launch the planned world size, or re-plan for this machine: "
-        f"`python -m {__package__}.plan --config <file>` shows every option, and "
+        f"`python -m {__name__} --config <file>` shows every option, and "
         "`copier update --defaults -d gpus_per_node=N -d gpu_memory_gb=M` regenerates the configs"
         if problems
         else ""
@@ -642,9 +616,3 @@ def check_host_memory(cfg: Config, ranks_per_node: int, ram_gib: float | None = 
         f"the plan needs {host.total / GIB:.1f} GiB of host memory per node ({host.describe()}) and this node has "
         f"{ram_gib:.1f} GiB ({HOST_MEMORY['headroom']:.0%} usable): {fix}"
     )
-
-
-if __name__ == "__main__":
-    from .plan_report import main  # the command line prints with plan_report, which imports this module
-
-    main()

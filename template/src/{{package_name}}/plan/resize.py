@@ -7,9 +7,10 @@ import argparse
 from dataclasses import replace
 from pathlib import Path
 
-from . import hardware
-from .config import Config, HardwareConfig, load_config
-from .plan import (
+from .. import hardware
+from ..config import Config, HardwareConfig, load_config
+from ..presets import DEFAULT_BACKEND, DEFAULT_PRECISION
+from . import (
     GIB,
     HOST_MEMORY,
     estimate_tensor_parallel,
@@ -19,8 +20,7 @@ from .plan import (
     recommend,
     recommend_tensor_parallel,
 )
-from .plan_report import format_table
-from .presets import DEFAULT_BACKEND, DEFAULT_PRECISION
+from .report import format_table
 
 # copier.yml's hardware questions, in its order.
 HARDWARE_QUESTIONS = ("accelerator", "gpu_arch", "gpus_per_node", "gpu_memory_gb", "host_memory_gb", "intra_node_link")
@@ -61,7 +61,7 @@ def live_hardware(planned: HardwareConfig, detected: dict) -> HardwareConfig:
     if not memory:
         raise ValueError(
             "the probe could not read the device memory: write `gpu_memory_gb: <GiB>` into its YAML "
-            f"(`python -m {__package__}.hardware --out hw.yml`) and pass it with --detected hw.yml"
+            f"(`python -m {hardware.__name__} --out hw.yml`) and pass it with --detected hw.yml"
         )
     gpus = int(detected["gpus_per_node"])
     arch = str(detected.get("gpu_arch", planned.gpu_arch if same_kind else "")) if accelerator == "cuda" else ""
@@ -224,7 +224,7 @@ def detect_main(rest: list[str], detected_file: Path | None) -> str:
     if detected_file is not None:
         if not detected_file.is_file():
             raise ValueError(
-                f"--detected {detected_file}: no such file (`python -m {__package__}.hardware --out FILE` writes one)"
+                f"--detected {detected_file}: no such file (`python -m {hardware.__name__} --out FILE` writes one)"
             )
         detected = hardware.read_answers(detected_file.read_text())
         how = {key: f"from {detected_file}" for key in detected}
