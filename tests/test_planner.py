@@ -39,7 +39,7 @@ def plan(tmp_path_factory):
 
 
 def model_config(size: str, **fields):
-    """The hyperparameters of preset `size` (llama's, or of the model `fields` name) as the generated repo reads them."""
+    """Preset `size`'s hyperparameters (llama's, or those of the model `fields` names), as a render reads them."""
     from planpkg.models import model_spec
 
     shapes = {k: v for k, v in PRESETS[size].items() if k not in ("seq_len", "micro_batch_size")}
