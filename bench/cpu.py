@@ -142,7 +142,9 @@ WEIGHTS_MEMORY = """
 import json, sys, threading, time
 from pathlib import Path
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from bench_pkg import train, weights
+from bench_pkg import weights
+from bench_pkg.run import build_model_meta, init_distributed
+from bench_pkg.strategy import build_strategy
 from bench_pkg.config import load_config
 from bench_pkg.models import model_spec
 
@@ -174,19 +176,21 @@ def peak_added(work) -> int:
 jobs, out = sys.argv[1], Path(sys.argv[2])
 first = load_config(sys.argv[3:])
 spec = model_spec(first.model.name)
-env = train.init_distributed(first, spec)
+env = init_distributed(device=first.device, dist=first.dist, parallel=first.parallel, seed=first.train.seed)
+strategy = build_strategy(first.parallel, env.mesh, env.device)
 for job in jobs.split(","):  # op=path, each on a model of its own
     op, path = job.split("=", 1)
     cfg = load_config(sys.argv[3:])
-    model = train.build_model_meta(cfg, spec, env, init_weights=False)
+    model = build_model_meta(spec=spec, model=cfg.model, finetune=cfg.finetune, parallel=cfg.parallel, env=env,
+                             strategy=strategy, init_from="", seed=0, init_weights=False)
     if op == "load_sharded":
-        cfg.checkpoint.init_from = path
-        added = peak_added(lambda: weights.load_pretrained(model, cfg, spec))
+        added = peak_added(lambda: weights.load_pretrained(model, init_from=path, model_cfg=cfg.model, spec=spec))
     elif op == "load_rank0":
         full_state = lambda: weights.load(Path(path), cfg.model)  # noqa: E731
-        added = peak_added(lambda: env.strategy.apply_weights_from_rank0(model, full_state))
+        added = peak_added(lambda: strategy.apply_weights_from_rank0(model, full_state))
     elif op == "export_sharded":
-        added = peak_added(lambda: weights.export_weights(model, cfg, spec, Path(path), env.is_main))
+        export = {"spec": spec, "model_cfg": cfg.model, "checkpoint": cfg.checkpoint, "finetune": cfg.finetune}
+        added = peak_added(lambda: weights.export_weights(model, **export, out=Path(path), is_main=env.is_main))
     else:
         def gather_and_save():
             full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

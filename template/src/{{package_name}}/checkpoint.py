@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_map
 
-from .config import JOB_WIDE, CheckpointConfig, Config, UsageError
+from .config import JOB_WIDE, CheckpointConfig, FinetuneConfig, UsageError
 from .data import UNRECORDED_ORDER
 from .strategy import Strategy
 
@@ -155,8 +155,10 @@ class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
 
 
 FaultHook = Callable[[str, int | None], None]
-"""Called as hook(point, step) where a crash must leave the last good checkpoint loadable:
+"""Called as hook(point, step) where a crash must leave the last good checkpoint loadable; tests pass one to
+run.build_run to crash a rank there (tests/fault_train.py), a training run passes none:
 
+    "step"      the loop is about to take optimizer step `step` (every rank; train.train_loop)
     "save"      save(step) was called; nothing written yet (every rank)
     "written"   every rank's shards and .metadata are on disk; no marker yet (every rank)
     "marked"    COMPLETE.json is written; the directory is not yet renamed (rank 0)
@@ -225,7 +227,7 @@ class CheckpointManager:
     def save(self, state: TrainState, step: int) -> None:
         """Write a checkpoint of `state` at `step`; async mode returns once the state is staged."""
         started = time.perf_counter()
-        self._fault("save", step)
+        self.fault("save", step)
         self._save(state, step)
         if self.rank == 0:
             # How long the training loop waited: the figure to watch when choosing dcp_async.
@@ -266,14 +268,14 @@ class CheckpointManager:
 
     def _finalize(self, partial: Path, target: Path, step: int) -> None:
         # dcp.save returns on every rank only after all shards and .metadata are written.
-        self._fault("written", step)
+        self.fault("written", step)
         if self.rank != 0:
             return
         files = {p.name: p.stat().st_size for p in partial.iterdir() if p.is_file()}
         marker = {"step": step, "world_size": self.world_size, "tensor_parallel": self.tensor_parallel,
                   "torch": torch.__version__, "files": files}  # fmt: skip
         _write_durably(partial / MARKER, json.dumps(marker, indent=1))
-        self._fault("marked", step)
+        self.fault("marked", step)
         # A directory at the target is damaged (_save verified it): it would block the rename, so it
         # goes aside first. A crash between the renames leaves two `.partial` directories, which the
         # next resume reports and deletes; the checkpoints before this step are untouched.
@@ -303,17 +305,18 @@ class CheckpointManager:
     def _remove(self, path: Path, step: int | None) -> None:
         """Drop the marker first: a crash mid-delete must not leave a 'complete' checkpoint with holes."""
         (path / MARKER).unlink(missing_ok=True)
-        self._fault("removing", step)
+        self.fault("removing", step)
         shutil.rmtree(path, ignore_errors=True)
 
-    def _fault(self, point: str, step: int | None) -> None:
+    def fault(self, point: str, step: int | None) -> None:
+        """Give the fault hook (if any) the chance to crash this rank at `point` (see FaultHook)."""
         if self.faults is not None:
             self.faults(point, step)
 
     # -- loading --------------------------------------------------------------------------------
 
     def load(self, state: TrainState, path: Path) -> None:
-        self._fault("load", None)
+        self.fault("load", None)
         marker = json.loads((path / MARKER).read_text())
         saved = marker["world_size"], marker.get("tensor_parallel", 1)  # markers before tensor parallelism: 1
         state.restore_per_rank = saved == (self.world_size, self.tensor_parallel)
@@ -371,28 +374,28 @@ def check_finetune_matches(path: Path, model: torch.nn.Module) -> None:
         raise ValueError(problem)
 
 
-def check_resume_finetune(cfg: Config) -> None:
+def check_resume_finetune(*, checkpoint: CheckpointConfig, finetune: FinetuneConfig, run_dir: Path) -> None:
     """Refuse, before the process group starts, to resume or evaluate a checkpoint of the other finetune.method.
 
     The checkpoint is the one the run would load: checkpoint.resume's, or with auto the newest
     complete one in the run directory.
     """
-    path = checkpoint_to_resume(cfg)
+    path = checkpoint_to_resume(checkpoint=checkpoint, run_dir=run_dir)
     if path is None:
         return
-    problem = finetune_mismatch(path, lora=cfg.finetune.method == "lora")
+    problem = finetune_mismatch(path, lora=finetune.method == "lora")
     if problem:
-        raise UsageError(f"checkpoint.resume={cfg.checkpoint.resume}: {problem}")
+        raise UsageError(f"checkpoint.resume={checkpoint.resume}: {problem}")
 
 
-def checkpoint_to_resume(cfg: Config) -> Path | None:
-    """The checkpoint a launch of `cfg` would load: checkpoint.resume's, or with auto the newest complete one
-    in the run directory; None when it starts from initial weights."""
-    if cfg.checkpoint.resume == "never":
+def checkpoint_to_resume(*, checkpoint: CheckpointConfig, run_dir: Path) -> Path | None:
+    """The checkpoint a launch would load: checkpoint.resume's, or with auto the newest complete one in
+    `run_dir`; None when it starts from initial weights."""
+    if checkpoint.resume == "never":
         return None
-    if cfg.checkpoint.resume != "auto":
-        return Path(cfg.checkpoint.resume)
-    steps = checkpoint_steps(Path(cfg.run_dir) / "checkpoints")
+    if checkpoint.resume != "auto":
+        return Path(checkpoint.resume)
+    steps = checkpoint_steps(Path(run_dir) / "checkpoints")
     return steps[max(steps)] if steps else None
 
 

@@ -2,9 +2,11 @@
 
     torchrun --nproc_per_node 2 -m <package>.train --config configs/debug.toml --train.steps 100
 
-Every field has one line of documentation, which is also its `--help` text. Values are
-checked in `Config.validate` before anything is allocated; a bad value raises UsageError
-naming the field and the fix.
+Every field has one line of documentation, which is also its `--help` text. Values are checked
+before anything is allocated, in two stages: here, each sub-config's `errors()` says what is wrong
+with its own fields and `Config.cross_errors` what two of them cannot be together (`validate`
+runs both when the config is loaded); at launch, preflight.py checks the config against the
+world size, the devices and the files. A bad value raises UsageError naming the field and the fix.
 
 `[model]` belongs to the model it names: `model.name` picks a module in models/, and the table
 is read into that module's own dataclass of hyperparameters (its SPEC.config), so `--help` lists
@@ -30,6 +32,7 @@ from typing import Literal
 import tyro
 
 from .models import ModelConfig, ModelSpec, model_spec
+from .models.lora import lora_errors
 from .presets import DEBUG_RUN, EXPORT_FILE_GB, LLAMA_PRESETS, LORA
 
 # The defaults are the debug run's (configs/debug.toml), from presets.py.
@@ -58,6 +61,11 @@ rank's own state goes without it and comes from each rank that has it."""
 def reports_errors() -> bool:
     """Whether this process prints a refusal: local rank 0, so each node's log says why; other ranks exit quietly."""
     return os.environ.get("LOCAL_RANK", "0") == "0"
+
+
+def failed(*rules: tuple[bool, str]) -> list[str]:
+    """The messages of the (ok, message) rules that do not hold: how each sub-config lists what is wrong with it."""
+    return [message for ok, message in rules if not ok]
 
 
 Sharding = Literal["full", "shard_grad_op", "hybrid", "no_shard"]
@@ -91,6 +99,18 @@ class TrainConfig:
     seed: int = 0
     """Seed for weight init and data order; the same seed gives the same run at any world size."""
 
+    def errors(self) -> list[str]:
+        return failed(
+            (self.steps > 0, f"train.steps={self.steps} must be positive"),
+            (0 <= self.warmup_steps < self.steps, f"train.warmup_steps={self.warmup_steps} must be in [0, train.steps)"),
+            (self.lr > 0, f"train.lr={self.lr} must be positive"),
+            (self.micro_batch_size > 0, f"train.micro_batch_size={self.micro_batch_size} must be positive"),
+            (
+                self.micro_batch_size > 0 and self.global_batch_size % self.micro_batch_size == 0,
+                f"train.global_batch_size={self.global_batch_size} must be a multiple of train.micro_batch_size",
+            ),
+        )
+
 
 @dataclass
 class FinetuneConfig:
@@ -102,6 +122,15 @@ class FinetuneConfig:
     """lora: the adapters' output is scaled by lora_alpha / lora_rank."""
     lora_targets: Literal["all", "attention", "mlp"] = LORA["targets"]
     """lora: the blocks' linear layers that get adapters: all, attention (q, k, v, o) or mlp (feed-forward)."""
+
+    def errors(self) -> list[str]:
+        """What LoRA's settings alone rule out; models/lora.py's lora_errors checks them against the model."""
+        return failed(
+            (
+                self.method != "lora" or self.lora_alpha > 0,
+                f"finetune.lora_alpha={self.lora_alpha} must be positive (adapters are scaled by alpha / rank)",
+            ),
+        )
 
 
 @dataclass
@@ -132,6 +161,39 @@ class ParallelConfig:
     """torchao float8 matmuls in the blocks' linear layers (sm 8.9+): one scale per tensor, or per row."""
     tensor_parallel: int = 1
     """Ranks of one node that split every layer (tensor + sequence parallelism); FSDP shards across the groups."""
+
+    def errors(self) -> list[str]:
+        sharded = self.sharding != "no_shard"
+        return failed(
+            (
+                not (self.cpu_offload and not sharded),
+                "parallel.cpu_offload needs a sharded mode: no_shard (DDP) keeps everything on the device",
+            ),
+            (
+                self.float8 == "none" or self.mixed_precision == "bf16",
+                f"parallel.float8={self.float8} computes in float8 with bf16 outputs: set parallel.mixed_precision=bf16 "
+                f"(not {self.mixed_precision}), or parallel.float8=none",
+            ),
+            (
+                not (self.zero_optimizer and sharded),
+                f"parallel.zero_optimizer needs parallel.sharding=no_shard: sharding={self.sharding} already splits "
+                "the optimizer state",
+            ),
+            (self.prefetch_blocks >= 0, f"parallel.prefetch_blocks={self.prefetch_blocks} must be 0 or more"),
+            (
+                self.prefetch_blocks == 0 or sharded,
+                "parallel.prefetch_blocks needs a sharded mode: no_shard (DDP) gathers no parameters",
+            ),
+            (
+                self.tensor_parallel >= 1,
+                f"parallel.tensor_parallel={self.tensor_parallel} must be at least 1 (1: no tensor parallelism)",
+            ),
+            (
+                self.tensor_parallel <= 1 or sharded,
+                f"parallel.tensor_parallel={self.tensor_parallel} needs FSDP across the tensor-parallel groups: "
+                "sharding=no_shard (DDP) is not combined with it; choose sharding=full, shard_grad_op or hybrid",
+            ),
+        )
 
 
 @dataclass
@@ -165,6 +227,13 @@ class CheckpointConfig:
     init_from: str = ""
     """Start from these weights (a directory of safetensors files, ours or Hugging Face's) instead of a random init."""
 
+    def errors(self) -> list[str]:
+        return failed(
+            (self.interval > 0, f"checkpoint.interval={self.interval} must be positive"),
+            (self.export_file_gb > 0, f"checkpoint.export_file_gb={self.export_file_gb} must be positive"),
+            (self.keep_last >= 1, f"checkpoint.keep_last={self.keep_last} must be at least 1"),
+        )
+
 
 @dataclass
 class DataConfig:
@@ -189,6 +258,28 @@ class DataConfig:
     pin_memory: bool = True
     """On a GPU, build batches in page-locked memory so that their copy to the device overlaps the step."""
 
+    def errors(self) -> list[str]:
+        least_prefetch = 1 if self.workers else 0
+        per_worker = f" with data.workers={self.workers}: each worker builds at least one step ahead"
+        return failed(
+            (
+                self.source not in ("memmap", "sft", "image_folder") or bool(self.path),
+                f"data.source={self.source} needs data.path",
+            ),
+            # sft's loss divides by the step's scored targets over all ranks: one all-reduce that a rank
+            # whose data ran out could not join.
+            (
+                self.shard_by != "rank" or self.source == "memmap",
+                f"data.shard_by=rank needs data.source=memmap, not {self.source}",
+            ),
+            (self.synthetic_branching >= 1, "data.synthetic_branching must be at least 1"),
+            (self.workers >= 0, f"data.workers={self.workers} must be 0 (a thread builds the batches) or more"),
+            (
+                self.prefetch >= least_prefetch,
+                f"data.prefetch={self.prefetch} must be at least {least_prefetch}" + (per_worker if self.workers else ""),
+            ),
+        )
+
 
 @dataclass
 class EvalConfig:
@@ -207,6 +298,13 @@ class EvalConfig:
     def enabled(self) -> bool:
         return self.interval > 0 or self.only
 
+    def errors(self) -> list[str]:
+        return failed(
+            (self.interval >= 0, f"eval.interval={self.interval} must be 0 (no validation) or a number of steps"),
+            (self.batches >= 1, f"eval.batches={self.batches} must be at least 1"),
+            (0 <= self.fraction < 1, f"eval.fraction={self.fraction} must be in [0, 1): the share of data.path held out"),
+        )
+
 
 @dataclass
 class MetricsConfig:
@@ -222,6 +320,16 @@ class MetricsConfig:
     """Weights & Biases project; empty uses the run directory's name."""
     profile_steps: str = ""
     """Profile a window of steps with torch.profiler, e.g. "10-12"; traces go to <run_dir>/profile."""
+
+    def errors(self) -> list[str]:
+        window = self.profile_steps.split("-")
+        return failed(
+            (self.log_every > 0, f"metrics.log_every={self.log_every} must be positive"),
+            (
+                not self.profile_steps or (len(window) == 2 and all(w.isdigit() for w in window)),
+                f"metrics.profile_steps={self.profile_steps!r} must look like 10-12 (first and last step)",
+            ),
+        )
 
 
 @dataclass
@@ -265,180 +373,84 @@ class Config:
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
 
     def validate(self) -> Config:
-        """Raise UsageError listing every value that cannot work, whatever the world size."""
-        m, t, p, c = self.model, self.train, self.parallel, self.checkpoint
-        errors: list[str] = []
-
-        def require(ok: bool, message: str) -> None:
-            if not ok:
-                errors.append(message)
-
-        d = self.data
-        try:
-            spec = model_spec(m.name)
-        except ValueError as error:
-            errors.append(str(error))
-        else:
-            errors += m.errors(t.seq_len)
-            errors += self.tensor_parallel_errors(spec)
-            images = d.source in ("synthetic_images", "image_folder")
-            require(
-                images == (spec.inputs == "images"),
-                f"data.source={d.source} does not feed model.name={m.name}, which takes {spec.inputs}",
-            )
-        require(
-            d.source not in ("memmap", "sft", "image_folder") or bool(d.path), f"data.source={d.source} needs data.path"
-        )
-        # sft's loss divides by the step's scored targets over all ranks: one all-reduce that a rank
-        # whose data ran out could not join.
-        require(
-            d.shard_by != "rank" or d.source == "memmap",
-            f"data.shard_by=rank needs data.source=memmap, not {d.source}",
-        )
-        require(
-            d.uneven_inputs != "join" or p.sharding == "no_shard",
-            "data.uneven_inputs=join needs parallel.sharding=no_shard: FSDP modules are not Joinable, only DDP is",
-        )
-        require(t.steps > 0, f"train.steps={t.steps} must be positive")
-        require(0 <= t.warmup_steps < t.steps, f"train.warmup_steps={t.warmup_steps} must be in [0, train.steps)")
-        require(t.lr > 0, f"train.lr={t.lr} must be positive")
-        require(t.micro_batch_size > 0, f"train.micro_batch_size={t.micro_batch_size} must be positive")
-        require(
-            t.global_batch_size % t.micro_batch_size == 0,
-            f"train.global_batch_size={t.global_batch_size} must be a multiple of train.micro_batch_size",
-        )
-        require(
-            not (p.cpu_offload and p.sharding == "no_shard"),
-            "parallel.cpu_offload needs a sharded mode: no_shard (DDP) keeps everything on the device",
-        )
-        require(
-            not (d.uneven_inputs == "join" and p.zero_optimizer and not d.join_throw),
-            "data.uneven_inputs=join with parallel.zero_optimizer needs data.join_throw=true: ZeRO's join hook steps "
-            "a finished rank's share of the parameters without gradients, so that share would silently stop "
-            "training while the other ranks go on; or use data.uneven_inputs=min",
-        )
-        require(
-            p.float8 == "none" or p.mixed_precision == "bf16",
-            f"parallel.float8={p.float8} computes in float8 with bf16 outputs: set parallel.mixed_precision=bf16 "
-            f"(not {p.mixed_precision}), or parallel.float8=none",
-        )
-        require(
-            not (p.zero_optimizer and p.sharding != "no_shard"),
-            f"parallel.zero_optimizer needs parallel.sharding=no_shard: sharding={p.sharding} already splits the "
-            "optimizer state",
-        )
-        require(p.prefetch_blocks >= 0, f"parallel.prefetch_blocks={p.prefetch_blocks} must be 0 or more")
-        require(
-            p.prefetch_blocks == 0 or p.sharding != "no_shard",
-            "parallel.prefetch_blocks needs a sharded mode: no_shard (DDP) gathers no parameters",
-        )
-        require(c.interval > 0, f"checkpoint.interval={c.interval} must be positive")
-        require(c.export_file_gb > 0, f"checkpoint.export_file_gb={c.export_file_gb} must be positive")
-        require(c.keep_last >= 1, f"checkpoint.keep_last={c.keep_last} must be at least 1")
-        require(self.data.synthetic_branching >= 1, "data.synthetic_branching must be at least 1")
-        require(d.workers >= 0, f"data.workers={d.workers} must be 0 (a thread builds the batches) or more")
-        require(
-            d.prefetch >= (1 if d.workers else 0),
-            f"data.prefetch={d.prefetch} must be at least {1 if d.workers else 0}"
-            + (f" with data.workers={d.workers}: each worker builds at least one step ahead" if d.workers else ""),
-        )
-        errors += self.finetune_errors()
-        errors += self.eval_errors()
-        require(self.metrics.log_every > 0, f"metrics.log_every={self.metrics.log_every} must be positive")
-        window = self.metrics.profile_steps.split("-")
-        require(
-            not self.metrics.profile_steps or (len(window) == 2 and all(w.isdigit() for w in window)),
-            f"metrics.profile_steps={self.metrics.profile_steps!r} must look like 10-12 (first and last step)",
-        )
+        """Raise UsageError listing every value that cannot work, whatever the world size: what each sub-config
+        says of itself, then the rules that tie two of them together (cross_errors)."""
+        errors = [e for sub in (self.train, self.finetune, self.parallel, self.checkpoint, self.data, self.eval,
+                                self.metrics) for e in sub.errors()]  # fmt: skip
+        errors += self.cross_errors()
         if errors:
             raise UsageError("invalid config:\n  " + "\n  ".join(errors))
         return self
 
-    def finetune_errors(self) -> list[str]:
-        """What stops finetune.method=lora with this model and these settings (models/lora.py)."""
-        f, m = self.finetune, self.model
-        if f.method != "lora":
-            return []
+    def cross_errors(self) -> list[str]:
+        """What two sub-configs cannot be together: the model with its data, LoRA and tensor parallelism (each
+        asks the model's spec), uneven inputs with the sharding, validation with the data."""
+        m, d, p = self.model, self.data, self.parallel
         try:
             spec = model_spec(m.name)
-        except ValueError:
-            return []  # validate() names the unknown model
-        if spec.lora is None:
-            return [
-                f"finetune.method=lora: model.name={m.name} declares no LoRA layout (ModelSpec.lora in "
-                "models/spec.py says where a block's adapters go; the llama and hf_causal_lm models have one): "
-                "use finetune.method=full, or add one"
-            ]
-        errors = []
-        adapted = spec.shape(m).adapted(f.lora_targets)
-        narrowest = min((min(layer.inputs, layer.outputs) for layer in adapted), default=0)
-        if not 1 <= f.lora_rank <= narrowest:
-            errors.append(
-                f"finetune.lora_rank={f.lora_rank} must be between 1 and {narrowest}, the width of the narrowest "
-                f"layer it adapts (lora_targets={f.lora_targets}): a rank beyond that adds parameters, not capacity"
-            )
-        if f.lora_alpha <= 0:
-            errors.append(f"finetune.lora_alpha={f.lora_alpha} must be positive (adapters are scaled by alpha / rank)")
-        if self.parallel.float8 != "none":
-            errors.append(
-                f"finetune.method=lora with parallel.float8={self.parallel.float8}: float8 would replace the adapted "
-                "linear layers and drop their adapters; set parallel.float8=none"
-            )
-        if self.parallel.tensor_parallel > 1:
-            errors.append(
-                f"finetune.method=lora with parallel.tensor_parallel={self.parallel.tensor_parallel}: the adapters "
-                "are not split across a tensor-parallel group; set parallel.tensor_parallel=1 or finetune.method=full"
-            )
-        return errors
+        except ValueError as error:
+            return [str(error)]
+        errors = m.errors(self.train.seq_len)
+        images = d.source in ("synthetic_images", "image_folder")
+        if images != (spec.inputs == "images"):
+            errors.append(f"data.source={d.source} does not feed model.name={m.name}, which takes {spec.inputs}")
+        if not m.errors(self.train.seq_len):  # the shape of a model that cannot be built means nothing
+            errors += lora_errors(finetune=self.finetune, shape=spec.shape(m), layout=spec.lora, model_name=m.name,
+                                  float8=p.float8, tensor_parallel=p.tensor_parallel)  # fmt: skip
+            errors += self.tensor_parallel_errors(spec)
+        errors += failed(
+            (
+                d.uneven_inputs != "join" or p.sharding == "no_shard",
+                "data.uneven_inputs=join needs parallel.sharding=no_shard: FSDP modules are not Joinable, only DDP is",
+            ),
+            (
+                not (d.uneven_inputs == "join" and p.zero_optimizer and not d.join_throw),
+                "data.uneven_inputs=join with parallel.zero_optimizer needs data.join_throw=true: ZeRO's join hook "
+                "steps a finished rank's share of the parameters without gradients, so that share would silently "
+                "stop training while the other ranks go on; or use data.uneven_inputs=min",
+            ),
+        )
+        return errors + self.eval_errors()
 
     def tensor_parallel_errors(self, spec: ModelSpec) -> list[str]:
         """What stops parallel.tensor_parallel from splitting this model (the world size is checked at launch)."""
-        p, degree = self.parallel, self.parallel.tensor_parallel
-        if degree == 1:
+        degree = self.parallel.tensor_parallel
+        if degree <= 1:
             return []
-        if degree < 1:
-            return [f"parallel.tensor_parallel={degree} must be at least 1 (1: no tensor parallelism)"]
         plan = spec.tensor_parallel_plan(self.model)
         if plan is None:
             return [f"parallel.tensor_parallel={degree} cannot split model.name={self.model.name}: {spec.tp_refusal}; "
                     "set parallel.tensor_parallel=1"]  # fmt: skip
-        errors = plan.check(self.model, degree, self.train.seq_len)
-        if p.sharding == "no_shard":
-            errors.append(
-                f"parallel.tensor_parallel={degree} needs FSDP across the tensor-parallel groups: sharding=no_shard "
-                "(DDP) is not combined with it; choose sharding=full, shard_grad_op or hybrid"
-            )
-        return errors
+        return plan.check(self.model, degree, self.train.seq_len)
 
     def eval_errors(self) -> list[str]:
         """What stops validation (eval.*) from working with this data; see data.build_held_out."""
         e, d = self.eval, self.data
-        errors = []
-        if e.interval < 0:
-            errors.append(f"eval.interval={e.interval} must be 0 (no validation) or a number of steps")
-        if e.batches < 1:
-            errors.append(f"eval.batches={e.batches} must be at least 1")
-        if not 0 <= e.fraction < 1:
-            errors.append(f"eval.fraction={e.fraction} must be in [0, 1): the share of data.path held out")
         files = d.source in ("memmap", "sft", "image_folder")
-        if e.path and not files:
-            errors.append(
+        errors = failed(
+            (
+                not (e.path and not files),
                 f"eval.path is for data.source=memmap, sft or image_folder; {d.source} data holds out its own seed: "
-                "remove eval.path"
-            )
+                "remove eval.path",
+            ),
+            (
+                not (e.only and self.checkpoint.resume == "never"),
+                "--eval-only evaluates a checkpoint: set checkpoint.resume to auto or a checkpoint directory",
+            ),
+        )
         if files and e.enabled and not e.path:
-            if e.fraction == 0:
-                errors.append(
+            errors += failed(
+                (
+                    e.fraction != 0,
                     "eval.fraction=0 holds nothing of data.path out for validation: set eval.path to held-out "
-                    "data, eval.fraction to a share such as 0.05, or eval.interval=0"
-                )
-            if d.shard_by == "rank" and "{rank}" in d.path:
-                errors.append(
+                    "data, eval.fraction to a share such as 0.05, or eval.interval=0",
+                ),
+                (
+                    not (d.shard_by == "rank" and "{rank}" in d.path),
                     "per-rank data files (data.path with {rank}) need one held-out file for every rank to "
-                    "evaluate: set eval.path, or eval.interval=0"
-                )
-        if e.only and self.checkpoint.resume == "never":
-            errors.append("--eval-only evaluates a checkpoint: set checkpoint.resume to auto or a checkpoint directory")
+                    "evaluate: set eval.path, or eval.interval=0",
+                ),
+            )
         return errors
 
 

@@ -98,7 +98,8 @@ def main(argv: list[str] | None = None) -> None:
         if modules is not None:  # as weights.export_weights does
             adapters = load_checkpoint(args.checkpoint, cfg.model, cfg.finetune, merge=False)
             print(f"wrote {written}")
-            written = save_adapter(adapters, cfg, args.out / ADAPTER_DIR, modules)
+            written = save_adapter(adapters, finetune=cfg.finetune, init_from=cfg.checkpoint.init_from,
+                                   out=args.out / ADAPTER_DIR, modules=modules)  # fmt: skip
     print(f"wrote {written}")
 
 

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .checkpoint import verify
-from .config import Config, UsageError
+from .config import CheckpointConfig, EvalConfig, UsageError
 from .data import IGNORE_INDEX
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -88,24 +88,25 @@ def evaluate(
     return EvalResult(loss_sum / count, correct / count, int(count), time.perf_counter() - started, classifier)
 
 
-def check_eval_only(cfg: Config) -> None:
+def check_eval_only(*, eval: EvalConfig, checkpoint: CheckpointConfig, run_dir: Path) -> None:
     """--eval-only with checkpoint.resume=auto: refuse a run dir without a checkpoint before the group starts."""
-    if cfg.eval.only and cfg.checkpoint.resume == "auto" and not _complete(Path(cfg.run_dir) / "checkpoints"):
+    root = Path(run_dir) / "checkpoints"
+    if eval.only and checkpoint.resume == "auto" and not _complete(root):
         raise UsageError(
-            f"--eval-only found no complete checkpoint in {Path(cfg.run_dir) / 'checkpoints'}: point --run_dir at a "
-            "run that saved one, or pass --checkpoint.resume <checkpoint dir>"
+            f"--eval-only found no complete checkpoint in {root}: point --run_dir at a run that saved one, or pass "
+            "--checkpoint.resume <checkpoint dir>"
         )
 
 
-def checkpoint_to_evaluate(cfg: Config, rank: int) -> Path:
+def checkpoint_to_evaluate(*, checkpoint: CheckpointConfig, run_dir: Path, rank: int) -> Path:
     """checkpoint.resume, or with auto the newest complete checkpoint, chosen by rank 0 and shared.
 
     Read-only, unlike CheckpointManager.resume_path, which clears what unfinished saves left: here
     those may belong to a run that is still training in the same directory.
     """
-    choice = [cfg.checkpoint.resume]
-    if rank == 0 and cfg.checkpoint.resume == "auto":
-        choice[0] = str(_complete(Path(cfg.run_dir) / "checkpoints")[0])
+    choice = [checkpoint.resume]
+    if rank == 0 and checkpoint.resume == "auto":
+        choice[0] = str(_complete(Path(run_dir) / "checkpoints")[0])
     dist.broadcast_object_list(choice, src=0)
     return Path(choice[0])
 

@@ -7,14 +7,15 @@ import logging
 import resource
 import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from .config import Config
+from .config import MetricsConfig
 from .evaluate import EvalResult
+from .models import ModelShape
+from .models.lora import frozen_matmul_params
 from .presets import PEAK_TFLOPS
 
 logger = logging.getLogger(__name__)
@@ -52,6 +53,13 @@ def peak_memory_gib(device: torch.device) -> float:
     return torch.accelerator.max_memory_allocated(device) / 2**30
 
 
+def flops_per_token(shape: ModelShape, model: torch.nn.Module, tokens: int) -> float:
+    """Training FLOPs per token for MFU: the model's count (ModelShape.flops_per_token), with 6 for each parameter
+    the built model has beyond it (LoRA's adapters), less the weight gradients that frozen weights skip (2 each)."""
+    added = sum(p.numel() for p in model.parameters()) - shape.P
+    return shape.flops_per_token(tokens) + 6 * added - 2 * frozen_matmul_params(model)
+
+
 class MetricsLogger:
     """Logs on rank 0 every `log_every` steps: the console, metrics.jsonl, and TensorBoard or W&B.
 
@@ -59,19 +67,20 @@ class MetricsLogger:
     """
 
     def __init__(
-        self, cfg: Config, run_dir: Path, *, enabled: bool, start_step: int, tokens_per_step: int, world_size: int,
-        flops_per_token: int, peak_tflops: float | None, device: torch.device, rank: int,
+        self, *, metrics: MetricsConfig, run_dir: Path, run_config: dict, steps: int, enabled: bool, start_step: int,
+        tokens_per_step: int, world_size: int, flops_per_token: float, peak_tflops: float | None,
+        device: torch.device, rank: int,
     ):  # fmt: skip
-        m = cfg.metrics
+        m = metrics
         self.enabled, self.log_every, self.device = enabled, m.log_every, device
         self.tokens_per_step, self.world_size = tokens_per_step, world_size
         self.flops_per_token, self.peak_tflops = flops_per_token, peak_tflops
         self.file = (run_dir / "metrics.jsonl").open("a") if enabled else None
         self.bar = tqdm(
-            total=cfg.train.steps, initial=start_step, disable=not (enabled and m.progress_bar), unit="step"
+            total=steps, initial=start_step, disable=not (enabled and m.progress_bar), unit="step"
         )
         self.last_time, self.last_step, self.data_seconds = time.perf_counter(), start_step, 0.0
-        self.sink = _sink(cfg, run_dir) if enabled else None
+        self.sink = _sink(m, run_dir, run_config) if enabled else None
         self.profiler = _Profiler(m.profile_steps, run_dir / "profile", rank, device, start_step)
 
     def should_log(self, step: int) -> bool:
@@ -144,9 +153,10 @@ class MetricsLogger:
             self.sink(None, None)
 
 
-def _sink(cfg: Config, run_dir: Path):
-    """A callable(step, scalars, section="train") for the configured metrics backend; (None, None) closes it."""
-    backend = cfg.metrics.backend
+def _sink(metrics: MetricsConfig, run_dir: Path, run_config: dict):
+    """A callable(step, scalars, section="train") for the configured metrics backend; (None, None) closes it.
+    `run_config` is the whole config as a dict, which W&B records with the run."""
+    backend = metrics.backend
     if backend == "tensorboard":
         from torch.utils.tensorboard import SummaryWriter
 
@@ -163,7 +173,7 @@ def _sink(cfg: Config, run_dir: Path):
     if backend == "wandb":
         import wandb  # reads WANDB_API_KEY / WANDB_MODE from the environment; no key is ever stored
 
-        run = wandb.init(project=cfg.metrics.wandb_project or run_dir.name, dir=str(run_dir), config=asdict(cfg))
+        run = wandb.init(project=metrics.wandb_project or run_dir.name, dir=str(run_dir), config=run_config)
         return lambda step, scalars, section="train": (
             run.finish() if step is None else run.log({f"{section}/{k}": v for k, v in scalars.items()}, step=step)
         )

@@ -1,9 +1,11 @@
 """Float8, tensor parallelism, activation checkpointing, compile and FSDP, applied to a model on the meta device.
 
-The order follows torchtitan: float8 layers, then split each layer over the tensor-parallel
-ranks, checkpoint each block, compile each block, then shard each block and finally the root
-over the data-parallel ranks. This is the only file that calls `parallelize_module` and
-`fully_shard` (the FSDP strategy in strategy.py does, through apply_tp and apply_fsdp).
+`parallelize` is the one place that applies them, in torchtitan's order: float8 layers, then split
+each layer over the tensor-parallel ranks, checkpoint each block, compile each block, then shard
+each block and finally the root over the data-parallel ranks. Each step only works on what the
+one before it left (FSDP shards the DTensors that TP made; compile sees the checkpoint wrappers),
+so the order is not a matter of taste. This is the only file that calls `parallelize_module` and
+`fully_shard`.
 """
 
 from __future__ import annotations
@@ -30,9 +32,32 @@ from torch.distributed.tensor.parallel import (
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from .config import ParallelConfig, UsageError
+from .distributed import data_parallel_mesh
 from .models.spec import TensorParallelPlan
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def parallelize(
+    model: nn.Module, *, parallel: ParallelConfig, mesh: DeviceMesh | None, tp_plan: TensorParallelPlan | None,
+    adapter_rank: int = 0,
+) -> None:  # fmt: skip
+    """Make the model on the meta device what `parallel` asks for, in place: float8 -> TP -> AC -> compile -> FSDP.
+
+    `mesh` is distributed.build_mesh's (None for DDP, which strategy.py wraps once the weights are in);
+    `tp_plan` the model's tensor-parallel plan, used when the mesh has a "tp" dimension; `adapter_rank`
+    LoRA's rank (0: no adapters), which selective checkpointing recomputes rather than keeps.
+    """
+    sharded = parallel.sharding != "no_shard"
+    apply_float8(model.layers, parallel.float8, fsdp=sharded)
+    if mesh is not None and "tp" in mesh.mesh_dim_names:
+        apply_tp(model, mesh["tp"], tp_plan)  # before the wrappers rename the blocks' modules
+    apply_ac(model.layers, parallel.activation_checkpointing, adapter_rank=adapter_rank)
+    if parallel.compile:
+        apply_compile(model.layers, parallel.compile_backend)
+    if sharded:
+        apply_fsdp(model, data_parallel_mesh(mesh, parallel.sharding == "hybrid"), parallel)
+
 
 # Selective checkpointing keeps what is expensive to recompute (matmuls and attention) and
 # recomputes the cheap elementwise work around it (norms, activations, rotary embeddings).

@@ -1,9 +1,10 @@
 """The data-parallel strategy: FSDP2 (full, shard_grad_op, hybrid) or DDP (no_shard, optionally with ZeRO-1).
 
-build_strategy chooses one from the config, once; every block of train.py then asks it, instead
-of asking which mode it is in: how to shard or wrap the model, how to load rank 0's weights,
-how to skip gradient sync while accumulating, which optimizer to build, what goes into a
-checkpoint, and what Join must shadow.
+build_strategy chooses one from the config, once; the run then asks it, instead of asking which
+mode it is in: how to wrap the model, how to load rank 0's weights, how to skip gradient sync
+while accumulating, which optimizer to build, what goes into a checkpoint, and how the ranks stay
+in step when their data runs out unevenly (Pace; DDP's Join). parallelize.py shards the model
+(FSDP) before the strategy sees it; DDP wraps it here.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.join import Joinable
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -28,9 +29,10 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 
-from .config import ParallelConfig
-from .models.spec import TensorParallelPlan
-from .parallelize import DTYPES, apply_fsdp, apply_tp
+from .config import DataConfig, ParallelConfig
+from .data import Loader, agree_on_steps
+from .distributed import any_rank, data_parallel_mesh, mean_across_ranks
+from .parallelize import DTYPES
 
 if TYPE_CHECKING:  # imported where ZeroDDP builds one: torch.distributed.optim scripts its optimizers on import
     from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -39,19 +41,100 @@ FullState = Callable[[], dict[str, torch.Tensor]]
 """Builds the full model weights; called on rank 0 only."""
 
 
+class Pace:
+    """How the ranks stay in step: every rank takes the same steps, 1 .. `last`.
+
+    Global-batch data never runs out; with per-rank data (data.shard_by = "rank") the ranks agree on
+    the shortest part first (data.uneven_inputs = "min", a MIN all-reduce). Between steps every rank
+    is free to join collectives: validation and checkpoints run there (`together`).
+    """
+
+    together = True
+
+    def __init__(self, last: int, start: int):
+        self.last, self.step = last, start
+
+    def __enter__(self) -> Pace:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+    def took(self, step: int) -> None:
+        """This rank has finished optimizer step `step` (and its gradient collectives)."""
+        self.step = step
+
+
+class LoopControl(Joinable):
+    """The training loop's own collectives, made Joinable for `data.uneven_inputs = "join"`.
+
+    Under `torch.distributed.algorithms.join.Join`, a rank whose data has run out keeps calling
+    each joinable's JoinHook.main_hook once per step of the others: DDP's hook shadows the
+    gradient all-reduce, this one the loop's metric mean and stop-flag agreement, in the same
+    order, so no collective waits forever. JoinHook.post_hook runs once everyone is done (DDP's
+    broadcasts the final weights); this one needs none.
+    """
+
+    def __init__(self, device: torch.device, log_every: int, step: int):
+        super().__init__()
+        self.device, self.log_every, self.step = device, log_every, step
+
+    def join_hook(self, **kwargs) -> JoinHook:
+        control = self
+
+        class ShadowStep(JoinHook):
+            def main_hook(self) -> None:
+                control.step += 1
+                if control.step % control.log_every == 0:
+                    mean_across_ranks(None, control.device)
+                any_rank(False, control.device)
+
+        return ShadowStep()
+
+    @property
+    def join_device(self) -> torch.device:
+        return self.device
+
+    @property
+    def join_process_group(self):
+        return dist.group.WORLD
+
+
+class JoinPace(Pace):
+    """DDP ranks whose per-rank data may run out (data.uneven_inputs = "join"): each trains while it has
+    data, then shadows the others' collectives until the longest-running rank is done (torch's Join).
+
+    A rank that has joined cannot take part in a save or a validation, so nothing runs between steps
+    (`together` is False): the loop saves and validates once, after Join, at `step`, the longest-running
+    rank's. The joinables are listed in the order of each step's collectives: the strategy's (DDP's
+    gradient all-reduce, ZeRO's parameter broadcast), then the loop's own.
+    """
+
+    together = False
+
+    def __init__(self, last: int, start: int, joinables: list[Joinable], control: LoopControl, throw: bool):
+        super().__init__(last, start)
+        self.control = control
+        self.join = Join([*joinables, control], throw_on_early_termination=throw)
+
+    def __enter__(self) -> JoinPace:
+        self.join.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.join.__exit__(*exc)
+        self.step = self.control.step  # where the longest-running rank stopped
+
+    def took(self, step: int) -> None:
+        self.control.step = self.step = step
+        Join.notify_join_context(self.control)
+
+
 class Strategy(ABC):
     """What differs between the data-parallel modes; the defaults are the FSDP and plain-DDP behaviour."""
 
     shards_parameters: ClassVar[bool]
     """Each rank holds only a shard of every parameter (FSDP); DDP holds all of them."""
-
-    @abstractmethod
-    def apply_tensor_parallel(self, model: nn.Module, plan: TensorParallelPlan | None) -> None:
-        """Split every layer over this rank's tensor-parallel group, on the meta device (no-op without one)."""
-
-    @abstractmethod
-    def apply_sharding(self, model: nn.Module) -> None:
-        """Prepare the model on the meta device, before its parameters are allocated."""
 
     @abstractmethod
     def apply_weights_from_rank0(self, model: nn.Module, full_state: FullState, *, strict: bool = True) -> None:
@@ -95,9 +178,12 @@ class Strategy(ABC):
         """Install what DCP loaded into the dicts state_dict() gave it."""
         set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
 
-    @abstractmethod
-    def joinables(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> list[Joinable]:
-        """What Join must shadow for a rank whose data ran out, in the order of each step's collectives."""
+    def pace(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, loader: Loader, *, data: DataConfig, steps: int,
+        start: int, log_every: int, device: torch.device,
+    ) -> Pace:  # fmt: skip
+        """How the ranks stay in step from `start` to `steps` (data.uneven_inputs): the shortest rank's steps."""
+        return Pace(agree_on_steps(loader, steps, device), start)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The module that owns the architecture (its layers, its embeddings)."""
@@ -111,43 +197,25 @@ class Strategy(ABC):
 
 @dataclass(frozen=True)
 class FSDP(Strategy):
-    """FSDP2: every block, then the root, sharded over the mesh with fully_shard (parallelize.apply_fsdp).
+    """FSDP2: parallelize.parallelize has sharded every block, then the root, over the mesh (fully_shard).
 
-    With tensor parallelism the mesh has a last "tp" dimension: parallelize.apply_tp splits each
-    layer over it first, then FSDP shards the split parameters over the data-parallel dimensions.
+    With tensor parallelism the mesh has a last "tp" dimension, whose ranks split every layer and
+    read the same batches; FSDP shards over the data-parallel dimensions before it.
     """
 
     mesh: DeviceMesh
-    cfg: ParallelConfig
     hybrid: bool
     """HSDP: a (replicate, shard) mesh; accumulation skips only the all-reduce across replicas."""
 
     shards_parameters: ClassVar[bool] = True
 
     @property
-    def tensor_parallel(self) -> bool:
-        return "tp" in self.mesh.mesh_dim_names
-
-    @property
-    def dp_mesh(self) -> DeviceMesh:
-        """The data-parallel dimensions FSDP shards (and, for hybrid, replicates) over."""
-        if not self.tensor_parallel:
-            return self.mesh
-        return self.mesh["dp_replicate", "dp_shard"] if self.hybrid else self.mesh["dp_shard"]
-
-    @property
     def dp_group(self) -> dist.ProcessGroup | None:
-        if not self.tensor_parallel:
+        if "tp" not in self.mesh.mesh_dim_names:
             return None
+        dp_mesh = data_parallel_mesh(self.mesh, self.hybrid)
         # HSDP's two data-parallel dimensions as one group: built (and cached) by build_mesh.
-        return self.dp_mesh._flatten("dp").get_group() if self.hybrid else self.dp_mesh.get_group()
-
-    def apply_tensor_parallel(self, model: nn.Module, plan: TensorParallelPlan | None) -> None:
-        if self.tensor_parallel:
-            apply_tp(model, self.mesh["tp"], plan)
-
-    def apply_sharding(self, model: nn.Module) -> None:
-        apply_fsdp(model, self.dp_mesh, self.cfg)
+        return dp_mesh._flatten("dp").get_group() if self.hybrid else dp_mesh.get_group()
 
     def apply_weights_from_rank0(self, model: nn.Module, full_state: FullState, *, strict: bool = True) -> None:
         state = full_state() if dist.get_rank() == 0 else {}
@@ -167,9 +235,6 @@ class FSDP(Strategy):
             model.set_requires_gradient_sync(enabled)
         yield
 
-    def joinables(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> list[Joinable]:
-        raise ValueError("FSDP modules are not Joinable: data.uneven_inputs=join needs parallel.sharding=no_shard")
-
 
 @dataclass(frozen=True)
 class DDP(Strategy):
@@ -180,12 +245,6 @@ class DDP(Strategy):
     """DDP computes in low precision under autocast (FSDP casts through its MixedPrecisionPolicy)."""
 
     shards_parameters: ClassVar[bool] = False
-
-    def apply_tensor_parallel(self, model: nn.Module, plan: TensorParallelPlan | None) -> None:
-        pass  # config.py refuses parallel.tensor_parallel > 1 with DDP
-
-    def apply_sharding(self, model: nn.Module) -> None:
-        pass  # nothing to shard: wrap() wraps the materialised model
 
     def apply_weights_from_rank0(self, model: nn.Module, full_state: FullState, *, strict: bool = True) -> None:
         if dist.get_rank() == 0:
@@ -201,7 +260,20 @@ class DDP(Strategy):
     def autocast(self) -> AbstractContextManager:
         return torch.autocast(self.device.type, self.autocast_dtype) if self.autocast_dtype else nullcontext()
 
+    def pace(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, loader: Loader, *, data: DataConfig, steps: int,
+        start: int, log_every: int, device: torch.device,
+    ) -> Pace:  # fmt: skip
+        """With per-rank data and data.uneven_inputs = "join", Join (FSDP modules are not Joinable: config.py
+        refuses it for them); otherwise the shortest rank's steps."""
+        if data.uneven_inputs != "join" or not loader.rank_sharded:
+            return super().pace(model, optimizer, loader, data=data, steps=steps, start=start, log_every=log_every,
+                                device=device)  # fmt: skip
+        control = LoopControl(device, log_every, start)
+        return JoinPace(steps, start, self.joinables(model, optimizer), control, data.join_throw)
+
     def joinables(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> list[Joinable]:
+        """What Join shadows for a rank whose data ran out, in the order of each step's collectives."""
         return [model]  # DDP's gradient all-reduce
 
     def unwrap(self, model: nn.Module) -> nn.Module:
@@ -235,12 +307,12 @@ class ZeroDDP(DDP):
         return [model, optimizer]  # DDP's gradient all-reduce, then ZeRO's parameter broadcast
 
 
-def build_strategy(cfg: ParallelConfig, mesh: DeviceMesh | None, device: torch.device) -> Strategy:
+def build_strategy(parallel: ParallelConfig, mesh: DeviceMesh | None, device: torch.device) -> Strategy:
     """The strategy parallel.sharding names: FSDP over `mesh`, or DDP (with ZeRO-1 if parallel.zero_optimizer)."""
-    if cfg.sharding != "no_shard":
-        return FSDP(mesh, cfg, hybrid=cfg.sharding == "hybrid")
-    autocast_dtype = DTYPES[cfg.mixed_precision] if cfg.mixed_precision != "fp32" else None
-    return (ZeroDDP if cfg.zero_optimizer else DDP)(device, autocast_dtype)
+    if parallel.sharding != "no_shard":
+        return FSDP(mesh, hybrid=parallel.sharding == "hybrid")
+    autocast_dtype = DTYPES[parallel.mixed_precision] if parallel.mixed_precision != "fp32" else None
+    return (ZeroDDP if parallel.zero_optimizer else DDP)(device, autocast_dtype)
 
 
 def zero_state_dict(model: nn.Module, optimizer: ZeroRedundancyOptimizer, saved_optim_keys: set[str] | None) -> dict:

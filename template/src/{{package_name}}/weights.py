@@ -21,6 +21,7 @@ offline: convert.py."""
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import shutil
@@ -38,7 +39,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 
 from .checkpoint import checkpoint_to_resume, plain_tensors
-from .config import Config, UsageError
+from .config import CheckpointConfig, FinetuneConfig, UsageError
 from .models import ModelConfig, ModelSpec, model_spec
 from .models.config_math import mismatches
 from .models.lora import ADAPTERS, LoraSettings, apply_lora, initial_adapters, merge_adapters, peft_adapter
@@ -159,12 +160,14 @@ def match_config(spec: ModelSpec, cfg: ModelConfig, directory: Path) -> None:
         )
 
 
-def check_init_from(cfg: Config, spec: ModelSpec) -> None:
+def check_init_from(
+    *, checkpoint: CheckpointConfig, finetune: FinetuneConfig, model: ModelConfig, spec: ModelSpec, run_dir: Path
+) -> None:
     """Refuse, before the process group starts, checkpoint.init_from weights that do not fit the model (what
     config.json says it computes, then names and shapes), and LoRA with nothing pretrained to start from."""
-    c = cfg.checkpoint
+    c = checkpoint
     if not c.init_from:
-        if cfg.finetune.method == "lora" and checkpoint_to_resume(cfg) is None:
+        if finetune.method == "lora" and checkpoint_to_resume(checkpoint=checkpoint, run_dir=run_dir) is None:
             raise UsageError(
                 "finetune.method=lora needs checkpoint.init_from: LoRA freezes pretrained weights and trains "
                 "adapters beside them, and from a random init it would train adapters on noise. Set "
@@ -174,16 +177,16 @@ def check_init_from(cfg: Config, spec: ModelSpec) -> None:
         return
     try:
         directory = weights_dir(Path(c.init_from))
-        match_config(spec, cfg.model, directory)
-        match_layout(spec, cfg.model, directory)
+        match_config(spec, model, directory)
+        match_layout(spec, model, directory)
     except ValueError as error:
         raise UsageError(f"checkpoint.init_from={c.init_from}: {error}") from None
 
 
-def load_pretrained(model: torch.nn.Module, cfg: Config, spec: ModelSpec) -> None:
+def load_pretrained(model: torch.nn.Module, *, init_from: str, model_cfg: ModelConfig, spec: ModelSpec) -> None:
     """Read checkpoint.init_from into the (sharded) model: every rank reads only the slices it holds."""
-    directory = weights_dir(Path(cfg.checkpoint.init_from))
-    layout = match_layout(spec, cfg.model, directory)
+    directory = weights_dir(Path(init_from))
+    layout = match_layout(spec, model_cfg, directory)
     stored = layout.stored(plain_tensors(get_model_state_dict(model)))
     dcp.load(stored, storage_reader=HuggingFaceStorageReader(str(directory)))
     # DCP filled the files' tensors: views of the shards (renamed or transposed) in place, or new ones
@@ -192,20 +195,24 @@ def load_pretrained(model: torch.nn.Module, cfg: Config, spec: ModelSpec) -> Non
     logger.info("loaded %s weights from %s", len(stored), directory)
 
 
-def apply_initial_weights(model: torch.nn.Module, cfg: Config, spec: ModelSpec, strategy: Strategy) -> None:
+def apply_initial_weights(
+    model: torch.nn.Module, *, spec: ModelSpec, model_cfg: ModelConfig, finetune: FinetuneConfig, init_from: str,
+    seed: int, strategy: Strategy,
+) -> None:  # fmt: skip
     """The starting weights on every rank: checkpoint.init_from's, or rank 0's seeded init.
 
     With LoRA the adapters start from rank 0's seeded draws too (and B = 0, so the model computes
     what its base weights do): with init_from they come after the pretrained weights, as a
     second, small broadcast that leaves the pretrained weights as they are.
     """
-    if cfg.checkpoint.init_from:
-        load_pretrained(model, cfg, spec)
-        if cfg.finetune.method == "lora":
-            meta = build_model_on_meta(spec, cfg.model, cfg.finetune)  # the adapters' state-dict names, unwrapped
-            strategy.apply_weights_from_rank0(model, lambda: initial_adapters(meta, cfg.train.seed), strict=False)
+    if init_from:
+        load_pretrained(model, init_from=init_from, model_cfg=model_cfg, spec=spec)
+        if finetune.method == "lora":
+            meta = build_model_on_meta(spec, model_cfg, finetune)  # the adapters' state-dict names, unwrapped
+            strategy.apply_weights_from_rank0(model, lambda: initial_adapters(meta, seed), strict=False)
         return
-    strategy.apply_weights_from_rank0(model, lambda: initial_state(cfg, spec))
+    initial = functools.partial(initial_state, spec=spec, model_cfg=model_cfg, finetune=finetune, seed=seed)
+    strategy.apply_weights_from_rank0(model, initial)
 
 
 def file_index(state: dict[str, torch.Tensor], max_bytes: float) -> dict[str, int]:
@@ -219,14 +226,17 @@ def file_index(state: dict[str, torch.Tensor], max_bytes: float) -> dict[str, in
     return index
 
 
-def export_weights(model: torch.nn.Module, cfg: Config, spec: ModelSpec, out: Path, is_main: bool) -> None:
+def export_weights(
+    model: torch.nn.Module, *, spec: ModelSpec, model_cfg: ModelConfig, checkpoint: CheckpointConfig,
+    finetune: FinetuneConfig, out: Path, is_main: bool,
+) -> None:  # fmt: skip
     """Write the full weights to `out` (a collective: every rank calls this, and writes only its shards).
 
     DCP's Hugging Face writer has each rank write its shards under out/sharded, then rank 0 joins
     them tensor by tensor into the final files; a model in one file is named model.safetensors.
     """
-    fmt, f = cfg.checkpoint.export, cfg.finetune
-    layout = file_layout(spec, cfg.model, fmt)
+    fmt, f = checkpoint.export, finetune
+    layout = file_layout(spec, model_cfg, fmt)
     state = plain_tensors(get_model_state_dict(model))
     merged = state
     if f.method == "lora":  # plain weights under the base names: W + (alpha / rank) B A, merged shard by shard
@@ -238,7 +248,7 @@ def export_weights(model: torch.nn.Module, cfg: Config, spec: ModelSpec, out: Pa
     dist.barrier()
     writer = HuggingFaceStorageWriter(
         str(out),
-        fqn_to_index_mapping=file_index(stored, cfg.checkpoint.export_file_gb * 1e9),
+        fqn_to_index_mapping=file_index(stored, checkpoint.export_file_gb * 1e9),
         save_distributed=True,
         enable_consolidation=True,
     )
@@ -250,10 +260,11 @@ def export_weights(model: torch.nn.Module, cfg: Config, spec: ModelSpec, out: Pa
             files[0].rename(out / "model.safetensors")
             (out / INDEX).unlink()
         if fmt == "hf":
-            (out / "config.json").write_text(spec.hf.config_json(cfg.model))
+            (out / "config.json").write_text(spec.hf.config_json(model_cfg))
         logger.info("exported %s weights to %s (%d file(s))", fmt, out, len(files))
     if f.method == "lora" and spec.hf:  # PEFT adapts transformers' modules, by their names
-        export_adapter(state, cfg, spec, out / ADAPTER_DIR, is_main)
+        export_adapter(state, spec=spec, model_cfg=model_cfg, finetune=f, init_from=checkpoint.init_from,
+                       out=out / ADAPTER_DIR, is_main=is_main)  # fmt: skip
 
 
 def peft_modules(spec: ModelSpec, cfg: ModelConfig) -> dict[str, str] | None:
@@ -274,28 +285,32 @@ def peft_modules(spec: ModelSpec, cfg: ModelConfig) -> dict[str, str] | None:
     return modules
 
 
-def export_adapter(state: dict[str, torch.Tensor], cfg: Config, spec: ModelSpec, out: Path, is_main: bool) -> None:
+def export_adapter(
+    state: dict[str, torch.Tensor], *, spec: ModelSpec, model_cfg: ModelConfig, finetune: FinetuneConfig,
+    init_from: str, out: Path, is_main: bool,
+) -> None:  # fmt: skip
     """The adapters of a LoRA model's state dict, gathered whole (a collective: every rank calls this), written
     by rank 0 as a PEFT adapter directory (save_adapter). They are small: r (in + out) values per layer."""
-    modules = peft_modules(spec, cfg.model)
+    modules = peft_modules(spec, model_cfg)
     if modules is None:
         if is_main:
             logger.warning("no PEFT adapter directory: model.name=%s's Hugging Face layout transforms its weights, "
-                           "so no transformers module computes what an adapted layer does", cfg.model.name)  # fmt: skip
+                           "so no transformers module computes what an adapted layer does", model_cfg.name)  # fmt: skip
         return
     adapters = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()
                 if k.rpartition(".")[2] in ADAPTERS}  # fmt: skip
     if is_main:
-        save_adapter(adapters, cfg, out, modules)
+        save_adapter(adapters, finetune=finetune, init_from=init_from, out=out, modules=modules)
         logger.info("exported the LoRA adapters alone to %s (peft.PeftModel.from_pretrained loads them)", out)
 
 
-def save_adapter(state: dict[str, torch.Tensor], cfg: Config, out: Path, modules: dict[str, str]) -> Path:
+def save_adapter(
+    state: dict[str, torch.Tensor], *, finetune: FinetuneConfig, init_from: str, out: Path, modules: dict[str, str]
+) -> Path:
     """Write the adapters of a full LoRA state dict (this repo's names) into `out`, in one process, as PEFT does:
     adapter_config.json and adapter_model.safetensors, under the transformers module names of the base model
     (checkpoint.init_from; `modules`: peft_modules), which `peft.PeftModel.from_pretrained(base_model, out)` adapts."""
-    base = cfg.checkpoint.init_from or None
-    tensors, config = peft_adapter(state, cfg.finetune, modules.__getitem__, base)
+    tensors, config = peft_adapter(state, finetune, modules.__getitem__, init_from or None)
     out.mkdir(parents=True, exist_ok=True)
     (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
     save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, out / "adapter_model.safetensors",
@@ -338,12 +353,14 @@ def build_model_on_meta(spec: ModelSpec, cfg: ModelConfig, finetune: LoraSetting
     return model
 
 
-def initial_state(cfg: Config, spec: ModelSpec) -> dict[str, torch.Tensor]:
+def initial_state(
+    *, spec: ModelSpec, model_cfg: ModelConfig, finetune: FinetuneConfig, seed: int
+) -> dict[str, torch.Tensor]:
     """Rank 0's full initial weights: a seeded random init, the same at any world size (LoRA adapters included)."""
     with torch.device("cpu"):
-        reference = spec.build(cfg.model)
-    reference.init_weights(torch.Generator().manual_seed(cfg.train.seed))
+        reference = spec.build(model_cfg)
+    reference.init_weights(torch.Generator().manual_seed(seed))
     state = reference.state_dict()
-    if cfg.finetune.method == "lora":
-        state |= initial_adapters(build_model_on_meta(spec, cfg.model, cfg.finetune), cfg.train.seed)
+    if finetune.method == "lora":
+        state |= initial_adapters(build_model_on_meta(spec, model_cfg, finetune), seed)
     return state

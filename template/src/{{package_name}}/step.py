@@ -1,0 +1,130 @@
+"""One optimizer step: the loss of each micro-batch, gradient accumulation, clipping and the update.
+
+train_step is the `train_step` block of the loop (train.py). Its arithmetic is chosen so that the
+update is the one a single process would make on the whole global batch, whatever the world size,
+the number of micro-batches or the share of targets that are scored (see scaled_loss).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from .config import ParallelConfig, TrainConfig
+from .data import IGNORE_INDEX, Batch
+from .strategy import Strategy
+
+
+@dataclass
+class StepContext:
+    """What train_step needs besides the model, the optimizer and the batches; built once per run."""
+
+    strategy: Strategy
+    """Skips gradient sync on all but the last micro-batch; DDP's autocast."""
+    sync_every_microbatch: bool
+    """Reduce gradients after every micro-batch rather than only the last."""
+    scaler: torch.amp.GradScaler | None
+    """fp16 only: scales the loss so small gradients survive, skips steps that overflow."""
+    max_grad_norm: float
+    """Clip the global gradient norm to this (0: no clipping, the norm is still measured)."""
+    device: torch.device
+    scored_targets_only: bool = False
+    """Some targets are IGNORE_INDEX (data.source = "sft"): average over the step's scored targets instead."""
+
+
+@dataclass
+class StepResult:
+    loss: torch.Tensor
+    """This rank's loss, whose mean over the ranks is the global batch's (a detached scalar on the device)."""
+    grad_norm: float
+    """Global gradient norm before clipping."""
+    lr: float
+    """Learning rate the step used."""
+
+
+def build_step_context(
+    *, parallel: ParallelConfig, train: TrainConfig, data_source: str, strategy: Strategy, device: torch.device
+) -> StepContext:
+    return StepContext(
+        strategy=strategy,
+        sync_every_microbatch=parallel.grad_sync_every_microbatch,
+        scaler=torch.amp.GradScaler(device.type) if parallel.mixed_precision == "fp16" else None,
+        max_grad_norm=train.max_grad_norm,
+        device=device,
+        scored_targets_only=data_source == "sft",
+    )
+
+
+def scaled_loss(micro_batches: list[Batch], ctx: StepContext) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The loss of one micro-batch (flat logits and targets), scaled so that the ranks' gradients, which
+    FSDP and DDP average, average to the gradient of the mean over every scored target of the global batch.
+
+    When every target is scored, every micro-batch has as many, and its mean / len does it. With
+    unscored targets (IGNORE_INDEX: data.source = "sft") micro-batches and ranks score different
+    numbers, and a mean per micro-batch or per rank would weigh a target by how few others share it:
+    each micro-batch's sum is divided by the step's scored targets on all ranks (one all-reduce) and
+    multiplied by the world size that the ranks' average divides by.
+    """
+    if not ctx.scored_targets_only:
+        return lambda logits, targets: F.cross_entropy(logits, targets) / len(micro_batches)
+    scored = torch.stack([(targets != IGNORE_INDEX).sum() for _, targets in micro_batches]).sum()
+    world = 1
+    if dist.is_initialized():
+        dist.all_reduce(scored)
+        world = dist.get_world_size()
+    # Tensor parallelism: a group's ranks count the same targets, and the group size cancels.
+    per_rank = scored.clamp(min=1) / world  # nothing scored in the whole step: a zero loss, not 0/0
+
+    def summed(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum") / per_rank
+
+    return summed
+
+
+def train_step(model: nn.Module, optimizer, scheduler, micro_batches: list[Batch], ctx: StepContext) -> StepResult:
+    """One optimizer step over this rank's micro-batches; gradients are reduced on the last one."""
+    loss_of = scaled_loss(micro_batches, ctx)
+    loss_sum = torch.zeros((), device=ctx.device)
+    for i, (inputs, targets) in enumerate(micro_batches):
+        sync = i == len(micro_batches) - 1 or ctx.sync_every_microbatch
+        with ctx.strategy.gradient_sync(model, sync), ctx.strategy.autocast():
+            logits = model(inputs)  # model(x), never model.forward(x): FSDP hooks live in __call__
+            # The micro-batch losses sum to this rank's share of the global-batch mean (scaled_loss).
+            loss = loss_of(logits.flatten(0, -2).float(), targets.flatten())
+            (ctx.scaler.scale(loss) if ctx.scaler else loss).backward()
+        loss_sum += loss.detach()
+    if ctx.scaler:
+        ctx.scaler.unscale_(optimizer)
+    grad_norm = clip_gradients(model, ctx.max_grad_norm if ctx.max_grad_norm > 0 else math.inf)
+    if not math.isfinite(grad_norm) and ctx.scaler is None:
+        raise FloatingPointError(
+            f"non-finite loss or gradient (grad norm {grad_norm}) at step {scheduler.last_epoch + 1}; refusing "
+            "to update the weights. Lower train.lr, raise train.warmup_steps, or check the data"
+        )
+    lr = optimizer.param_groups[0]["lr"]
+    if ctx.scaler:
+        ctx.scaler.step(optimizer)  # skipped when the scaled gradients overflowed
+        ctx.scaler.update()
+    else:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    scheduler.step()
+    return StepResult(loss_sum, grad_norm, lr)
+
+
+def clip_gradients(model: nn.Module, max_norm: float) -> float:
+    """Scale the gradients down to a global norm of at most `max_norm`; return their norm before that.
+
+    With sharded parameters the norm is a DTensor, summed over the mesh dimensions that split the
+    gradients in one all-reduce (with tensor parallelism, over the "dp_shard_tp" group that
+    distributed.build_mesh flattens for it); full_tensor() then makes .item() the global value.
+    """
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)
+    return (norm.full_tensor() if isinstance(norm, DTensor) else norm).item()
