@@ -63,12 +63,16 @@ def run_generated(root, marks: str, *must_pass: str) -> str:
     return out
 
 
-SMOKE_TESTS = ["test_smoke.py::test_loss_is_finite_and_falls", "test_smoke.py::test_world_size_one_matches_two",
-               "test_smoke.py::test_resume_reproduces_the_continuous_run", "test_fsdp_rules.py::test_train_py_structure",
-               "test_fsdp_rules.py::test_initial_weights_identical_at_any_world_size",
-               "test_fsdp_rules.py::test_grad_norm_is_the_global_norm_as_a_float",
-               "test_plan.py::test_sharded_state_bytes_match_the_plan",
-               "test_plan.py::test_activation_bytes_per_block_match_what_the_model_declares"]  # fmt: skip
+SMOKE_TESTS = [
+    "test_smoke.py::test_loss_is_finite_and_falls",
+    "test_smoke.py::test_world_size_one_matches_two",
+    "test_smoke.py::test_resume_reproduces_the_continuous_run",
+    "test_fsdp_rules.py::test_train_py_structure",
+    "test_fsdp_rules.py::test_initial_weights_identical_at_any_world_size",
+    "test_fsdp_rules.py::test_grad_norm_is_the_global_norm_as_a_float",
+    "test_plan.py::test_sharded_state_bytes_match_the_plan",
+    "test_plan.py::test_activation_bytes_per_block_match_what_the_model_declares",
+]
 
 
 @pytest.mark.parametrize("name", SMOKE)
@@ -84,21 +88,29 @@ def test_generated_smoke_rules_and_plan(rendered, name):
     run_generated(rendered[name], " or ".join(["not full", *extra]), *must)
 
 
-FULL_TESTS = ["test_checkpoint.py::test_checkpoint_reshards_to_one_and_four_ranks",
-              "test_checkpoint.py::test_resume_names_what_it_skips_and_a_save_heals_the_damage",
-              "test_errors.py::test_bad_input_is_reported_once_and_nothing_is_written",
-              "test_eval.py::test_evaluation_leaves_training_as_it_was"]  # fmt: skip
-ONCE_TESTS = ["test_checkpoint.py::test_zero_checkpoint_moves_across_world_sizes_and_modes",
-              "test_data.py::test_a_token_file_run_resumes_exactly_on_one_rank_with_workers",
-              "test_model_contract.py::test_a_new_decoder_starts_from_transformers_trains_resumes_and_exports"]  # fmt: skip
+FULL_TESTS = [
+    "test_checkpoint.py::test_checkpoint_reshards_to_one_and_four_ranks",
+    "test_checkpoint.py::test_resume_names_what_it_skips_and_a_save_heals_the_damage",
+    "test_errors.py::test_bad_input_is_reported_once_and_nothing_is_written",
+    "test_eval.py::test_evaluation_leaves_training_as_it_was",
+]
+ONCE_TESTS = [
+    "test_checkpoint.py::test_zero_checkpoint_moves_across_world_sizes_and_modes",
+    "test_data.py::test_a_token_file_run_resumes_exactly_on_one_rank_with_workers",
+    "test_model_contract.py::test_a_new_decoder_starts_from_transformers_trains_resumes_and_exports",
+]
 
 
 @pytest.mark.parametrize("name", FULL)
 def test_generated_checkpoints_and_errors(rendered, name):
     # The full tier but the selections other renders run (OWN); the tests marked `once` in the first render only.
     once = name == FULL[0]
-    run_generated(rendered[name], f"full and not ({' or '.join(OWN if once else [*OWN, 'once'])})",
-                  *FULL_TESTS, *(ONCE_TESTS if once else []))  # fmt: skip
+    run_generated(
+        rendered[name],
+        f"full and not ({' or '.join(OWN if once else [*OWN, 'once'])})",
+        *FULL_TESTS,
+        *(ONCE_TESTS if once else []),
+    )
 
 
 @pytest.mark.parametrize("name", FAULTS)
@@ -114,39 +126,62 @@ def test_generated_strategies_match_the_golden_losses(rendered, name):
 
 @pytest.mark.parametrize("name", FLOAT8)
 def test_generated_float8_converts_trains_and_checkpoints(rendered, name):
-    run_generated(rendered[name], "float8", "test_float8.py::test_float8_trains_under_fsdp_and_resumes_exactly",
-                  "test_float8.py::test_a_float8_checkpoint_continues_in_bf16_with_close_losses")  # fmt: skip
+    run_generated(
+        rendered[name],
+        "float8",
+        "test_float8.py::test_float8_trains_under_fsdp_and_resumes_exactly",
+        "test_float8.py::test_a_float8_checkpoint_continues_in_bf16_with_close_losses",
+    )
 
 
 @pytest.mark.parametrize("name", SFT)
 def test_generated_sft_masks_packs_and_matches_one_process(rendered, name):
-    run_generated(rendered[name], "sft", "test_sft.py::test_unscored_targets_contribute_exactly_zero_gradient",
-                  "test_sft.py::test_two_ranks_train_to_the_losses_of_one_process",
-                  "test_sft.py::test_prepare_packs_the_chats_and_scores_only_the_replies")  # fmt: skip
+    run_generated(
+        rendered[name],
+        "sft",
+        "test_sft.py::test_unscored_targets_contribute_exactly_zero_gradient",
+        "test_sft.py::test_two_ranks_train_to_the_losses_of_one_process",
+        "test_sft.py::test_prepare_packs_the_chats_and_scores_only_the_replies",
+    )
 
 
 @pytest.mark.parametrize("name", LORA)
 def test_generated_lora_trains_only_adapters_and_exports_merged_weights(rendered, name):
-    run_generated(rendered[name], "lora", "test_lora.py::test_resuming_with_the_other_finetune_method_is_refused_before_the_process_group",
-                  "test_lora.py::test_activation_bytes_per_block_match_the_plan")  # fmt: skip
+    run_generated(
+        rendered[name],
+        "lora",
+        "test_lora.py::test_resuming_with_the_other_finetune_method_is_refused_before_the_process_group",
+        "test_lora.py::test_activation_bytes_per_block_match_the_plan",
+    )
 
 
 @pytest.mark.parametrize("name", PRETRAINED)
 def test_generated_pretrained_llama3_weights_compute_transformers_logits(rendered, name):
-    run_generated(rendered[name], "pretrained",
-                  "test_pretrained.py::test_read_through_init_from_at_world_size_2_it_computes_transformers_logits",
-                  "test_pretrained.py::test_the_export_loads_back_in_transformers_with_the_same_logits")  # fmt: skip
+    run_generated(
+        rendered[name],
+        "pretrained",
+        "test_pretrained.py::test_read_through_init_from_at_world_size_2_it_computes_transformers_logits",
+        "test_pretrained.py::test_the_export_loads_back_in_transformers_with_the_same_logits",
+    )
 
 
 @pytest.mark.parametrize("name", TENSOR_PARALLEL)
 def test_generated_tensor_parallel_trains_reshards_and_exports(rendered, name):
-    run_generated(rendered[name], "tensor_parallel", "test_tensor_parallel.py::test_2x2_trains_to_the_golden_losses",
-                  "test_tensor_parallel.py::test_2x2_checkpoint_reshards_to_2x2_and_data_parallel_4",
-                  "test_tensor_parallel.py::test_a_group_larger_than_the_node_is_refused_at_launch")  # fmt: skip
+    run_generated(
+        rendered[name],
+        "tensor_parallel",
+        "test_tensor_parallel.py::test_2x2_trains_to_the_golden_losses",
+        "test_tensor_parallel.py::test_2x2_checkpoint_reshards_to_2x2_and_data_parallel_4",
+        "test_tensor_parallel.py::test_a_group_larger_than_the_node_is_refused_at_launch",
+    )
 
 
 @pytest.mark.parametrize("name", TRANSFORMERS_TENSOR_PARALLEL)
 def test_generated_transformers_tensor_parallel_trains_loads_on_one_rank_and_exports(rendered, name):
     # What the built-in model's run already shows for every model (marked `once`) runs in TENSOR_PARALLEL only.
-    run_generated(rendered[name], "tensor_parallel and not once", "test_tensor_parallel.py::test_2x2_trains_to_the_golden_losses",
-                  "test_tensor_parallel.py::test_2x2_export_loads_in_transformers_with_the_same_logits")  # fmt: skip
+    run_generated(
+        rendered[name],
+        "tensor_parallel and not once",
+        "test_tensor_parallel.py::test_2x2_trains_to_the_golden_losses",
+        "test_tensor_parallel.py::test_2x2_export_loads_in_transformers_with_the_same_logits",
+    )
