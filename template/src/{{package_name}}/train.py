@@ -77,7 +77,9 @@ def check_inputs(cfg: Config, spec: ModelSpec, rdzv: Rendezvous) -> tuple[torch.
     tp = cfg.parallel.tensor_parallel
     check_tensor_parallel(tp, rdzv.world_size, rdzv.local_world_size)
     check_plan(cfg, rdzv.world_size, device, rdzv.local_world_size)
-    check_data(cfg, rdzv.rank // tp, rdzv.world_size // tp)  # a tensor-parallel group shares its batches
+    check_data(  # a tensor-parallel group shares its batches
+        data=cfg.data, train=cfg.train, eval=cfg.eval, rank=rdzv.rank // tp, world_size=rdzv.world_size // tp
+    )
     check_resume(cfg.checkpoint)
     check_resume_finetune(cfg)
     check_init_from(cfg, spec)
@@ -438,10 +440,16 @@ def main(argv: list[str] | None = None, *, faults: FaultHook | None = None) -> N
         resume = checkpoint_to_evaluate(cfg, env.rank) if cfg.eval.only else ckpt.resume_path()
         model = build_model_meta(cfg, spec, env, init_weights=resume is None)
         optimizer, scheduler = build_optimizer(cfg, model, env.strategy)
-        loader = build_loader(cfg, env.dp_rank, env.dp_size, env.device)
+        loader = build_loader(
+            data=cfg.data, train=cfg.train, eval=cfg.eval, model=cfg.model, rank=env.dp_rank, world_size=env.dp_size,
+            device=env.device,
+        )  # fmt: skip
         state = TrainState(model, optimizer, scheduler, loader, env.rank, env.strategy)
         step = checkpoint_load(ckpt, state, resume)
-        held_out = build_held_out(cfg, env.dp_rank, env.dp_size, env.device)
+        held_out = build_held_out(
+            data=cfg.data, train=cfg.train, eval=cfg.eval, model=cfg.model, rank=env.dp_rank, world_size=env.dp_size,
+            device=env.device,
+        )  # fmt: skip
         if cfg.eval.only:  # score the checkpoint and stop, writing nothing
             validate(model, held_out, build_step_context(cfg, env), step, None)
             return
