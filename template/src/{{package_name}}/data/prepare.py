@@ -46,7 +46,7 @@ def prepare(
 
 
 def main(argv: list[str] | None = None) -> None:
-    # argparse's refusals begin "<package>.data prepare: error:" as main's own do (not "__main__.py prepare").
+    # Usage and refusals name the command `<package>.data`, as main's own refusals do, not "__main__.py".
     parser = argparse.ArgumentParser(prog=__package__, description="Data tools.")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("prepare", help="tokenize local text, or a JSONL of chats, into a token file")
