@@ -93,7 +93,8 @@ cfg = load_config(sys.argv[1:])
 model = build_model(cfg.model)
 model.init_weights(torch.Generator().manual_seed(0))
 optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, betas=cfg.train.betas)
-loader = build_loader(cfg, 0, 1, torch.device("cpu"))
+loader = build_loader(data=cfg.data, train=cfg.train, eval=cfg.eval, model=cfg.model, rank=0, world_size=1,
+                      device=torch.device("cpu"))
 times = []
 for _ in range(cfg.train.steps):
     started = time.perf_counter()

@@ -5,7 +5,7 @@
     python bench/data.py --from-json bench/results/data.json   # the README's table, from the recorded figures
 
 1. Reading a sample: the time per window of one global batch (64 windows of 2,048 + 1 tokens, the
-   render's own data.py) from uint16 token files of 10 M, 100 M and 1 B tokens (sparse files), as a
+   render's own data/) from uint16 token files of 10 M, 100 M and 1 B tokens (sparse files), as a
    ratio to 10 M; and one rank's read of a step at world size 8 over world size 1.
 2. `data prepare`: tokens/s against `datasets.map(batched=True)` with the same tokenizer (a byte-level
    BPE trained here) and process count, on the same JSON Lines corpus; and the peak resident memory

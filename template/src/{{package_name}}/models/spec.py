@@ -3,7 +3,7 @@
 Each model module defines its hyperparameters (a dataclass extending `ModelConfig`: the `[model]`
 table of a config that names it) and `SPEC = ModelSpec(...)`; models/__init__.py maps
 `model.name` to the module. From the spec, config.py types and checks `[model]` (`config`),
-plan/ sizes memory and metrics.py counts FLOPs (`shape`: sizes and cost terms), data.py feeds `inputs`,
+plan/ sizes memory and metrics.py counts FLOPs (`shape`: sizes and cost terms), data/ feeds `inputs`,
 weights.py maps the weights to and from Hugging Face (`hf`, a state-dict adapter), models/lora.py places adapters
 (`lora`), and parallelize.py splits the model for tensor parallelism (`tp_plan`). The nn.Module it
 builds meets the module contract in models/__init__.py. Plain Python and torch: nothing here
@@ -237,7 +237,7 @@ class ModelSpec(Generic[C]):
     """Its sizes and cost terms, for the planner and the MFU figure."""
     inputs: Literal["tokens", "images"] = "tokens"
     """What a batch holds: token ids (targets: the next tokens; the config has `vocab_size`) or images
-    (targets: class ids; the config has `image_size`, `channels` and `num_classes`), for data.py."""
+    (targets: class ids; the config has `image_size`, `channels` and `num_classes`), for data/."""
     hf: HFLayout | None = None
     """The Hugging Face weight layout, for models transformers can load (None: export=hf refused)."""
     lora: LoraLayout | None = None

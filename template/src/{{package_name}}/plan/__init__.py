@@ -87,7 +87,7 @@ parameter (p with LoRA, whose export merges into the frozen dtype), F = checkpoi
 Loading ends before training starts, and the last async save may still be written while the
 export runs, so the peak is runtime + os + max(start, state + device + staging + export), with
 start = load + the parameters alive then (r x params with offload or on CPU ranks). The loaders
-start no worker processes (data.py reads in the training process; token files through a memory
+start no worker processes (data/ reads in the training process; token files through a memory
 map, whose pages are the kernel's cache), so there is no term for them. A plan fits a node when
 its peak is at most HOST_MEMORY["headroom"] of its RAM; at start-up `check_plan` compares it with
 this node's (MemTotal, or a smaller cgroup limit: hardware.host_memory_mib).

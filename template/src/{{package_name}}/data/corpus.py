@@ -1,4 +1,4 @@
-"""Local text into a token file, streamed: what `python -m <package>.data prepare --dataset` runs (data.prepare).
+"""Local text into a token file, streamed: what `python -m <package>.data prepare --dataset` runs (prepare.py).
 
 The inputs (find_inputs), several at once, each a file, a directory or a glob:
   - a Hugging Face dataset directory (`save_to_disk`), read through `datasets.load_from_disk`;
@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from .config import UsageError
+from ..config import UsageError
 
 BATCH_ROWS = 1024
 """Rows per batch a worker tokenizes in one call."""
