@@ -11,10 +11,15 @@ import pytest
 import yaml
 from answers import MATRIX
 
-# The labelled blocks of train.py, in the order they first run: main() calls the first four,
-# then train_loop(), which calls the last two.
-BLOCKS = ["init_distributed", "build_model_meta", "build_optimizer", "checkpoint_load", "train_step", "checkpoint_save"]
-MAIN, LOOP = [*BLOCKS[:4], "train_loop"], BLOCKS[4:]
+# The labelled blocks of a run and the module that holds each: train.py's main() is the table of contents,
+# run.build_run the build (the first three blocks, in order), step.py the step, train.py the loop around it.
+BLOCKS = {"init_distributed": "run", "build_model_meta": "run", "build_optimizer": "run", "checkpoint_load": "train",
+          "train_step": "step", "checkpoint_save": "train"}  # fmt: skip
+ORDER = {("train", "main"): ["load_config", "check", "job"],
+         ("train", "job"): ["build_run", "checkpoint_load", "train_loop"],
+         ("run", "build_run"): ["init_distributed", "build_model_meta", "build_optimizer"],
+         ("train", "train_loop"): ["train_step", "validate_and_save"],
+         ("train", "validate_and_save"): ["validate", "checkpoint_save"]}  # fmt: skip
 
 
 def first_calls(function: ast.FunctionDef) -> dict[str, int]:
@@ -53,13 +58,14 @@ def test_render_leaves_no_template_syntax(rendered, name):
 @pytest.mark.parametrize("name", MATRIX)
 def test_render_has_the_labelled_blocks_in_order(rendered, name):
     package = yaml.safe_load((rendered[name] / ".copier-answers.yml").read_text())["package_name"]
-    tree = ast.parse((rendered[name] / "src" / package / "train.py").read_text())
-    functions = {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
-    assert {*BLOCKS, "main", "train_loop"} <= set(functions)
-    assert all(f.end_lineno - f.lineno < 60 for f in functions.values())  # every function, main() too
-    # main() and train_loop() read top to bottom in this order.
-    assert sorted(MAIN, key=first_calls(functions["main"]).get) == MAIN
-    assert sorted(LOOP, key=first_calls(functions["train_loop"]).get) == LOOP
+    functions = {}
+    for module in ("train", "run", "step"):
+        tree = ast.parse((rendered[name] / "src" / package / f"{module}.py").read_text())
+        functions[module] = {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
+        assert all(f.end_lineno - f.lineno < 60 for f in functions[module].values()), module  # main() too
+    assert all(block in functions[module] for block, module in BLOCKS.items())
+    for (module, caller), calls in ORDER.items():  # each reads top to bottom in this order
+        assert sorted(calls, key=first_calls(functions[module][caller]).get) == calls, caller
 
 
 @pytest.mark.parametrize("name", MATRIX)
