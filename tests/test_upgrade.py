@@ -47,8 +47,8 @@ def template_repo(root: Path) -> Path:
     for path in tpl.iterdir():
         if path.name != ".git":
             shutil.rmtree(path) if path.is_dir() else path.unlink()
-    shutil.copytree(TEMPLATE, tpl, dirs_exist_ok=True,
-                    ignore=shutil.ignore_patterns(".git", ".venv", "__pycache__", ".pytest_cache", ".ruff_cache"))  # fmt: skip
+    caches = shutil.ignore_patterns(".git", ".venv", "__pycache__", ".pytest_cache", ".ruff_cache")
+    shutil.copytree(TEMPLATE, tpl, dirs_exist_ok=True, ignore=caches)
     git(tpl, "add", "-A")
     git(tpl, "commit", "-qm", "now")
     git(tpl, "tag", "v0.2.0")
