@@ -30,6 +30,7 @@ from typing import Literal
 import tyro
 
 from .models import ModelConfig, ModelSpec, model_spec
+from .models.lora import lora_errors
 from .presets import DEBUG_RUN, EXPORT_FILE_GB, LLAMA_PRESETS, LORA
 
 # The defaults are the debug run's (configs/debug.toml), from presets.py.
@@ -356,40 +357,21 @@ class Config:
 
     def finetune_errors(self) -> list[str]:
         """What stops finetune.method=lora with this model and these settings (models/lora.py)."""
-        f, m = self.finetune, self.model
+        f, m, p = self.finetune, self.model, self.parallel
         if f.method != "lora":
             return []
         try:
             spec = model_spec(m.name)
         except ValueError:
             return []  # validate() names the unknown model
-        if spec.lora is None:
-            return [
-                f"finetune.method=lora: model.name={m.name} declares no LoRA layout (ModelSpec.lora in "
-                "models/spec.py says where a block's adapters go; the llama and hf_causal_lm models have one): "
-                "use finetune.method=full, or add one"
-            ]
-        errors = []
-        adapted = spec.shape(m).adapted(f.lora_targets)
-        narrowest = min((min(layer.inputs, layer.outputs) for layer in adapted), default=0)
-        if not 1 <= f.lora_rank <= narrowest:
-            errors.append(
-                f"finetune.lora_rank={f.lora_rank} must be between 1 and {narrowest}, the width of the narrowest "
-                f"layer it adapts (lora_targets={f.lora_targets}): a rank beyond that adds parameters, not capacity"
-            )
-        if f.lora_alpha <= 0:
-            errors.append(f"finetune.lora_alpha={f.lora_alpha} must be positive (adapters are scaled by alpha / rank)")
-        if self.parallel.float8 != "none":
-            errors.append(
-                f"finetune.method=lora with parallel.float8={self.parallel.float8}: float8 would replace the adapted "
-                "linear layers and drop their adapters; set parallel.float8=none"
-            )
-        if self.parallel.tensor_parallel > 1:
-            errors.append(
-                f"finetune.method=lora with parallel.tensor_parallel={self.parallel.tensor_parallel}: the adapters "
-                "are not split across a tensor-parallel group; set parallel.tensor_parallel=1 or finetune.method=full"
-            )
-        return errors
+        return lora_errors(
+            finetune=f,
+            shape=spec.shape(m),
+            layout=spec.lora,
+            model_name=m.name,
+            float8=p.float8,
+            tensor_parallel=p.tensor_parallel,
+        )
 
     def tensor_parallel_errors(self, spec: ModelSpec) -> list[str]:
         """What stops parallel.tensor_parallel from splitting this model (the world size is checked at launch)."""

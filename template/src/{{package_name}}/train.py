@@ -58,7 +58,7 @@ from .distributed import (
 from .evaluate import EvalResult, check_eval_only, checkpoint_to_evaluate, evaluate
 from .metrics import MetricsLogger, init_logging, peak_tflops
 from .models import ModelShape, ModelSpec, model_spec
-from .models.lora import apply_frozen_dtype, apply_lora, frozen_matmul_params, lora_rank
+from .models.lora import apply_lora, frozen_matmul_params, lora_rank
 from .parallelize import DTYPES, apply_ac, apply_compile, apply_float8, check_float8
 from .plan import check_plan
 from .strategy import Strategy, build_strategy
@@ -119,10 +119,8 @@ def build_model_meta(cfg: Config, spec: ModelSpec, env: DistEnv, *, init_weights
     this rank's shards, initialise."""
     with torch.device("meta"):
         model = spec.build(cfg.model)
-    apply_lora(model, cfg.finetune, spec.lora)
     p, strategy = cfg.parallel, env.strategy
-    if cfg.finetune.method == "lora":
-        apply_frozen_dtype(model, DTYPES[p.mixed_precision])
+    apply_lora(model, finetune=cfg.finetune, layout=spec.lora, frozen_dtype=DTYPES[p.mixed_precision])
     apply_float8(model.layers, p.float8, fsdp=strategy.shards_parameters)
     # Before the wrappers rename the blocks.
     strategy.apply_tensor_parallel(model, spec.tensor_parallel_plan(cfg.model))

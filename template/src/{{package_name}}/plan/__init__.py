@@ -195,7 +195,7 @@ def memory_plan(
     trained, trained_block = (s.L * adapters, adapters) if lora_rank else (s.P, s.Pb)
     block = block_gather_bytes(s, p, sharding, float8, adapters) / t
     group = shard_group(sharding, gpus_per_node, num_nodes, t)
-    # LoRA stores the frozen weights in the compute dtype (models/lora.py's apply_frozen_dtype).
+    # LoRA stores the frozen weights in the compute dtype (models/lora.py's apply_lora, frozen_dtype).
     stored = p * s.P + 4 * s.L * adapters if lora_rank else 4 * s.P
     params, grads, optim = stored / (group * t), 4 * trained / (group * t), 8 * trained / (group * t)
     if sharding == "no_shard" and zero_optimizer:
