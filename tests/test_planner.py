@@ -292,9 +292,9 @@ def test_tensor_parallel_splits_what_one_rank_holds_by_hand(plan):
     assert whole("none") == 16 * h + 2 * (2 * h + (3 * h + 2 * kv + 4 * f) / 4) == 234_496
     assert whole("selective") == 2 * (3 * h + (2 * h + 2 * kv + 2 * f) / 4) == 87_040
     assert whole("full") == 2 * h
-    # transformers' decoder layers (models/hf.py) under their own plan, which splits no sequence: their norms keep
-    # the fp32 input and the normalised output in bf16 (8h + 2 x 2h, whole), the inputs of the split matmuls are
-    # whole (2h), and no copy of the attention output is kept.
+    # transformers' decoder layers (models/hf_causal_lm/) under their own plan, which splits no sequence: their
+    # norms keep the fp32 input and the normalised output in bf16 (8h + 2 x 2h, whole), the inputs of the split
+    # matmuls are whole (2h), and no copy of the attention output is kept.
     theirs = functools.partial(plan.activation_bytes_per_token, shape(plan, "70b", name="hf_causal_lm"), "bf16",
                                tensor_parallel=4, sequence_parallel=False)  # fmt: skip
     assert theirs("none") == 8 * h + 2 * (4 * h + (2 * h + 2 * kv + 4 * f) / 4) == 197_632
@@ -573,9 +573,9 @@ def test_generated_python_reads_presets_and_defaults_from_the_rendered_table(pla
     from planpkg.models.llama import LlamaConfig
 
     src = Path(plan.__file__).parents[1]
-    vit = next((TEMPLATE / "template" / "src" / "{{package_name}}" / "models").glob("*vit.py*"))
+    vit = next((TEMPLATE / "template" / "src" / "{{package_name}}" / "models").glob("*vit*/model.py*"))
     classes = {}
-    for path in (src / "config.py", src / "models" / "llama.py", vit):
+    for path in (src / "config.py", src / "models" / "llama" / "model.py", vit):
         classes |= {node.name: node for node in ast.parse(path.read_text()).body if isinstance(node, ast.ClassDef)}
     preset_fields = {
         "BlockConfig": set(hooks.LLAMA_PRESETS["debug"]),

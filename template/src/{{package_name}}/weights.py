@@ -349,7 +349,7 @@ def build_model_on_meta(spec: ModelSpec, cfg: ModelConfig, finetune: LoraSetting
     with torch.device("meta"):
         model = spec.build(cfg)
     if finetune is not None:
-        apply_lora(model, finetune, spec.lora)
+        apply_lora(model, finetune=finetune, layout=spec.lora)
     return model
 
 

@@ -9,9 +9,13 @@ before activation checkpointing, compile and sharding, so those see the adapted 
 keeps each block's frozen and trainable parameters in one group (it reduces only the gradients
 that exist). `merge_adapters` folds the adapters into plain weights, W + (alpha / rank) B A, for
 exports; `peft_adapter` gives the adapters alone as a PEFT LoRA adapter, for the export beside them.
-With bf16 or fp16 compute, `apply_frozen_dtype` stores the frozen weights in that dtype: only the
-adapters need fp32 master weights. Plain torch: nothing here imports
-torch.distributed (sharded tensors merge through their own operators).
+With bf16 or fp16 compute, `apply_lora(..., frozen_dtype=)` stores the frozen weights in that dtype:
+only the adapters need fp32 master weights.
+
+LoRA is this one module: the build calls `apply_lora` once (a no-op for finetune.method=full), and
+config.py's validation calls `lora_errors`, so the limits are checked beside the code that has them.
+Plain torch: nothing here imports torch.distributed (sharded tensors merge through their own
+operators) or config.py.
 """
 
 from __future__ import annotations
@@ -19,11 +23,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:  # spec.py imports this module for LoraLayout
+    from .spec import ModelShape
 
 ADAPTERS = ("lora_a", "lora_b")
 """The parameter names LoRALinear adds; everything else in an adapted model is frozen."""
@@ -91,13 +98,18 @@ def targeted(name: str, targets: str, layout: LoraLayout) -> bool:
     return name.startswith(prefix + ".")
 
 
-def apply_lora(model: nn.Module, cfg: LoraSettings, layout: LoraLayout | None) -> None:
-    """Freeze every parameter, and give the targeted linear layers of each block a trainable adapter.
+def apply_lora(
+    model: nn.Module, *, finetune: LoraSettings, layout: LoraLayout | None, frozen_dtype: torch.dtype | None = None
+) -> None:
+    """Freeze every parameter, give the targeted linear layers of each block a trainable adapter, and
+    store the frozen parameters in `frozen_dtype` (None: as built).
 
     A no-op for finetune.method=full. The adapters are left uninitialised (on the meta device there
-    is nothing to initialise): initial_adapters' values, or a checkpoint, fill them.
+    is nothing to initialise): initial_adapters' values, or a checkpoint, fill them. The trainer
+    passes its compute dtype as `frozen_dtype`; a model built only for its names and shapes, or to
+    load a checkpoint in the dtypes it was saved in, passes none.
     """
-    if cfg.method != "lora":
+    if finetune.method != "lora":
         return
     if layout is None:
         raise ValueError("this model declares no LoRA layout (ModelSpec.lora): use finetune.method=full")
@@ -105,12 +117,56 @@ def apply_lora(model: nn.Module, cfg: LoraSettings, layout: LoraLayout | None) -
     for block in model.layers:
         swaps = [(name, module) for name, module in block.named_modules() if isinstance(module, nn.Linear)]
         for name, module in swaps:
-            if targeted(name, cfg.lora_targets, layout):
+            if targeted(name, finetune.lora_targets, layout):
                 parent, _, child = name.rpartition(".")
-                block.get_submodule(parent).register_module(child, LoRALinear(module, cfg.lora_rank, cfg.lora_alpha))
+                adapted = LoRALinear(module, finetune.lora_rank, finetune.lora_alpha)
+                block.get_submodule(parent).register_module(child, adapted)
+    if frozen_dtype is not None:
+        _store_frozen(model, frozen_dtype)
 
 
-def apply_frozen_dtype(model: nn.Module, dtype: torch.dtype) -> None:
+def lora_errors(
+    *,
+    finetune: LoraSettings,
+    shape: ModelShape,
+    layout: LoraLayout | None,
+    model_name: str,
+    float8: str,
+    tensor_parallel: int,
+) -> list[str]:
+    """What stops finetune.method=lora with this model (its `shape` and `layout`) and these settings;
+    empty for finetune.method=full. config.py's validation reports them with the rest of the config's."""
+    f = finetune
+    if f.method != "lora":
+        return []
+    if layout is None:
+        return [
+            f"finetune.method=lora: model.name={model_name} declares no LoRA layout (ModelSpec.lora in "
+            "models/spec.py says where a block's adapters go; the llama and hf_causal_lm models have one): "
+            "use finetune.method=full, or add one"
+        ]
+    errors = []
+    adapted = shape.adapted(f.lora_targets)
+    narrowest = min((min(layer.inputs, layer.outputs) for layer in adapted), default=0)
+    if not 1 <= f.lora_rank <= narrowest:
+        errors.append(
+            f"finetune.lora_rank={f.lora_rank} must be between 1 and {narrowest}, the width of the narrowest "
+            f"layer it adapts (lora_targets={f.lora_targets}): a rank beyond that adds parameters, not capacity"
+        )
+    if float8 != "none":
+        errors.append(
+            f"finetune.method=lora with parallel.float8={float8}: float8 would replace the adapted "
+            "linear layers and drop their adapters; set parallel.float8=none"
+        )
+    if tensor_parallel > 1:
+        errors.append(
+            f"finetune.method=lora with parallel.tensor_parallel={tensor_parallel}: the adapters "
+            "are not split across a tensor-parallel group; set parallel.tensor_parallel=1 or finetune.method=full"
+        )
+    return errors
+
+
+def _store_frozen(model: nn.Module, dtype: torch.dtype) -> None:
     """Store the frozen parameters in `dtype`, the compute dtype their forward casts them to anyway.
 
     Trained parameters stay as they are (fp32: the optimizer steps on them). A frozen weight needs

@@ -31,9 +31,9 @@ bytes and T = micro_batch_size * seq_len tokens, bytes per rank are:
     activations  T [L a + V (p + 12)], plus one block's a with no recomputation under full
                  activation checkpointing (the block recomputed in backward), where the V term is
                  the logits, their fp32 copy, the log-softmax output and its gradient, and a is the
-                 model's, for the activation checkpointing mode (models/llama.py documents the
-                 built-in blocks', models/hf.py transformers' decoder layers'; tests/test_plan.py
-                 measures every model's with torch's MemTracker).
+                 model's, for the activation checkpointing mode (models/llama/shape.py documents
+                 the built-in blocks', models/hf_causal_lm/shape.py transformers' decoder layers';
+                 tests/test_plan.py measures every model's with torch's MemTracker).
     tensor parallelism  with parallel.tensor_parallel = t, every block's matrices, the embedding
                  and the head are split t ways within a node, and the shard group G counts
                  data-parallel ranks (groups of t): params, grads and optim are over G t (the
@@ -195,7 +195,7 @@ def memory_plan(
     trained, trained_block = (s.L * adapters, adapters) if lora_rank else (s.P, s.Pb)
     block = block_gather_bytes(s, p, sharding, float8, adapters) / t
     group = shard_group(sharding, gpus_per_node, num_nodes, t)
-    # LoRA stores the frozen weights in the compute dtype (models/lora.py's apply_frozen_dtype).
+    # LoRA stores the frozen weights in the compute dtype (models/lora.py's apply_lora, frozen_dtype).
     stored = p * s.P + 4 * s.L * adapters if lora_rank else 4 * s.P
     params, grads, optim = stored / (group * t), 4 * trained / (group * t), 8 * trained / (group * t)
     if sharding == "no_shard" and zero_optimizer:

@@ -1,20 +1,19 @@
 """A Llama-style decoder: RMSNorm, rotary embeddings, SwiGLU, grouped-query attention.
 
-Plain nn.Module code. Parallelism is applied from outside (parallelize.py), so nothing here
-imports torch.distributed. The model is built on the meta device, sharded, materialised with
-`to_empty`, and only then initialised; `init_weights` and `init_buffers` are that last step.
+Plain nn.Module code. Parallelism is applied from outside (parallelize.py, reading tp.py's plan),
+so nothing here imports torch.distributed. The model is built on the meta device, sharded,
+materialised with `to_empty`, and only then initialised; `init_weights` and `init_buffers` are
+that last step.
 
 Rotary embeddings use the rotate-half layout of Hugging Face's LlamaForCausalLM, so exported
-weights need renaming only, no permutation.
+weights need renaming only, no permutation (hf.py).
 
 Its hyperparameters are `LlamaConfig`, the `[model]` table of a config with `name = "llama"`;
-`BlockConfig` holds the blocks' part, which the ViT (models/vit.py) builds on too.
+`BlockConfig` holds the blocks' part, which the ViT (models/vit/) builds on too.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import math
 from dataclasses import dataclass, field
 from typing import Literal
@@ -23,9 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..presets import LLAMA3_ROPE_SCALING, LLAMA_PRESETS
-from .lora import LoraLayout
-from .spec import HFLayout, Linear, ModelConfig, ModelShape, ModelSpec, RenameTable, TensorParallelPlan
+from ...presets import LLAMA3_ROPE_SCALING, LLAMA_PRESETS
+from ..spec import ModelConfig
 
 # The defaults are the debug preset's (configs/debug.toml), from presets.py.
 DEBUG = LLAMA_PRESETS["debug"]
@@ -263,169 +261,3 @@ class Llama(nn.Module):
     def init_buffers(self) -> None:
         """Recompute non-persistent buffers in place, on whatever device they now live on."""
         self.rope.copy_(model_rope_cache(self.cfg, device=self.rope.device))
-
-
-@dataclass(frozen=True)
-class DecoderShape(ModelShape):
-    """The sizes and cost terms of models built of the blocks above (the decoder, the ViT, the custom stub)."""
-
-    def activation_bytes(
-        self, p: int, ac: str, *, lora_rank: int = 0, lora_targets: str = "all", tensor_parallel: int = 1,
-        sequence_parallel: bool = True,
-    ) -> float:  # fmt: skip
-        """Bytes a block keeps for backward per token (Korthikanti et al. 2022,
-        https://arxiv.org/abs/2205.05198, redone for SwiGLU and fused attention, which keeps no seq x seq
-        scores), for hidden size h, key/value width kv, SwiGLU width f and p bytes per element:
-
-            none       16h + p (5h + 2kv + 4f)   each RMSNorm keeps its input and normalised output in
-                       fp32 (2 x 8h); then the norm outputs, q, k, v, the attention output and its
-                       re-laid-out copy, w1, w3, silu and their product
-            selective  p (5h + 2kv + 2f)         the block input and every matmul and attention output
-            full       p h                       the block input (one block is recomputed at a time)
-
-        Tensor parallelism over t ranks splits what the heads and the SwiGLU width split; sequence
-        parallelism (TP_PLAN) splits the norms and the block input by sequence, and 2h stays whole (the
-        all-gathered inputs of attention and the feed-forward, which their first matmuls keep, and in
-        selective the outputs of wo and w2 before their reduce-scatter): none 16h/t + p (2h + (3h + 2kv
-        + 4f)/t), selective p (2h + (3h + 2kv + 2f)/t), full p h/t. Without it the norms and the block
-        input are whole too: none 16h + p (2h + (3h + 2kv + 4f)/t), selective p (3h + (2h + 2kv + 2f)/t),
-        full p h.
-
-        With LoRA adapters of rank r on n layers, none keeps 8h + p (5h + 2kv + 4f - d + n r): a norm
-        with a frozen weight keeps only its fp32 input, each adapted layer its rank-r intermediate, and
-        a frozen layer no input, so d drops what only frozen layers needed (h + f with attention-only
-        adapters: the feed-forward's two inputs; h with feed-forward-only ones: the attention's input).
-        selective recomputes the adapters' matmuls, so it keeps what it keeps without them. LoRA and
-        tensor parallelism are not combined (config.py refuses it). tests/test_plan.py measures these.
-        """
-        h, kv, f, t = self.h, self.kv, self.f, tensor_parallel
-        q = t if sequence_parallel else 1  # what splits the norms and the block input: the sequence, or nothing
-        if ac == "none" and lora_rank:
-            frozen_inputs = {"all": 0, "attention": h + f, "mlp": h}[lora_targets]
-            adapted = len(self.adapted(lora_targets)) * lora_rank
-            return 8 * h + p * (5 * h + 2 * kv + 4 * f - frozen_inputs + adapted)
-        if ac == "none":
-            return 16 * h / q + p * (2 * h + (3 * h + 2 * kv + 4 * f) / t)
-        if ac == "selective":
-            return p * (2 * h + h / q + (2 * h + 2 * kv + 2 * f) / t)
-        return p * h / q
-
-
-def block_shape(
-    m: BlockConfig, outside: int, classes: int, *, shape: type[DecoderShape] = DecoderShape, **per_sample: int
-) -> DecoderShape:
-    """The blocks above (attention, SwiGLU, two RMSNorms, no biases) plus `outside` parameters around them."""
-    h, f = m.dim, m.ffn_hidden_dim
-    kv = m.n_kv_heads * (h // m.n_heads)
-    wq = wo = Linear("attention", h, h)
-    wk = wv = Linear("attention", h, kv)
-    w1 = w3 = Linear("mlp", h, f)
-    w2 = Linear("mlp", f, h)
-    block = 2 * h * h + 2 * h * kv + 3 * h * f + 2 * h
-    P = block * m.n_layers + outside
-    linears = (wq, wk, wv, wo, w1, w3, w2)
-    return shape(P, block, outside, m.n_layers, h, kv, f, classes, linears=linears, **per_sample)
-
-
-def decoder_shape(m: LlamaConfig, shape: type[DecoderShape] = DecoderShape) -> DecoderShape:
-    """The decoder: the blocks, and outside them the embedding, final norm and (untied) head; an untied
-    embedding is a lookup table (no FLOPs), a tied one is the head's matmul too."""
-    embedding = m.vocab_size * m.dim
-    outside = embedding * (1 if m.tie_embeddings else 2) + m.dim
-    return block_shape(m, outside, m.vocab_size, shape=shape, lookups=0 if m.tie_embeddings else embedding)
-
-
-# This repo's parameter names beside Hugging Face LlamaForCausalLM's ({i}: a layer, {x}: q, k, v
-# or o). Both use the rotate-half rotary layout, so the state-dict adapter renames only, never permutes.
-HF_NAMES = RenameTable(
-    rows=(
-        ("tok_embeddings.weight", "model.embed_tokens.weight"),
-        ("layers.{i}.attention.w{x}.weight", "model.layers.{i}.self_attn.{x}_proj.weight"),
-        ("layers.{i}.feed_forward.w1.weight", "model.layers.{i}.mlp.gate_proj.weight"),
-        ("layers.{i}.feed_forward.w3.weight", "model.layers.{i}.mlp.up_proj.weight"),
-        ("layers.{i}.feed_forward.w2.weight", "model.layers.{i}.mlp.down_proj.weight"),
-        ("layers.{i}.attention_norm.weight", "model.layers.{i}.input_layernorm.weight"),
-        ("layers.{i}.ffn_norm.weight", "model.layers.{i}.post_attention_layernorm.weight"),
-        ("norm.weight", "model.norm.weight"),
-        ("output.weight", "lm_head.weight"),
-    ),
-    fields=(("i", r"\d+"), ("x", "[qkvo]")),
-)
-
-
-def hf_config_json(cfg: LlamaConfig) -> str:
-    """config.json for transformers' LlamaForCausalLM that computes what this model does.
-
-    Rotary scaling is written as Meta's Llama 3.x files write it (`rope_theta`, `rope_scaling` with
-    `rope_type`), which transformers 4 reads as is and transformers 5 files under `rope_parameters`.
-    """
-    scaling = dataclasses.asdict(cfg.rope_scaling)
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.dim,
-        "intermediate_size": cfg.ffn_hidden_dim,
-        "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_kv_heads,
-        "head_dim": cfg.dim // cfg.n_heads,
-        "hidden_act": "silu",
-        "max_position_embeddings": cfg.max_seq_len,
-        "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "rope_scaling": None if scaling["rope_type"] == "none" else scaling,
-        "tie_word_embeddings": cfg.tie_embeddings,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "torch_dtype": "float32",
-    }
-    return json.dumps(config, indent=2)
-
-
-def decoder_tp_errors(m: LlamaConfig, degree: int, seq_len: int) -> list[str]:
-    """What the decoder splits `degree` ways: heads, SwiGLU width, vocabulary, and the sequence."""
-    sizes = {"model.n_heads": m.n_heads, "model.n_kv_heads": m.n_kv_heads, "model.ffn_hidden_dim": m.ffn_hidden_dim,
-             "model.vocab_size": m.vocab_size, "train.seq_len": seq_len}  # fmt: skip
-    return [
-        f"parallel.tensor_parallel={degree} must divide {name}={size}"
-        + (" (sequence parallelism splits every sequence between the ranks)" if name == "train.seq_len" else "")
-        for name, size in sizes.items()
-        if size % degree
-    ]
-
-
-# Megatron-style tensor parallelism with sequence parallelism (torchtitan's Llama plan): q, k, v
-# and SwiGLU's w1, w3 split by output features (whole heads per rank), wo and w2 by input
-# features, the norms on each rank's part of the sequence. Per block forward that is two
-# all-gathers (before attention and before the feed-forward) and two reduce-scatters (after wo and w2).
-TP_PLAN = TensorParallelPlan(
-    root={"tok_embeddings": "embedding", "norm": "sequence", "output": "head"},
-    block={
-        "attention_norm": "sequence",
-        "attention": "gather",
-        "attention.wq": "colwise",
-        "attention.wk": "colwise",
-        "attention.wv": "colwise",
-        "attention.wo": "rowwise",
-        "ffn_norm": "sequence",
-        "feed_forward": "gather",
-        "feed_forward.w1": "colwise",
-        "feed_forward.w3": "colwise",
-        "feed_forward.w2": "rowwise",
-    },
-    check=decoder_tp_errors,
-)
-
-SPEC = ModelSpec(
-    config=LlamaConfig,
-    build=Llama,
-    shape=decoder_shape,
-    hf=HFLayout(
-        to_hf=HF_NAMES.to_hf,
-        from_hf=HF_NAMES.from_hf,
-        config_json=hf_config_json,
-    ),
-    lora=LoraLayout(attention="attention", mlp="feed_forward"),
-    tp_plan=TP_PLAN,
-)

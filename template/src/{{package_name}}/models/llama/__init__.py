@@ -1,0 +1,66 @@
+"""The built-in Llama decoder (`model.name = "llama"`), one concern per file, joined here into its `SPEC`:
+
+    model.py  the hyperparameters (LlamaConfig) and the nn.Module, which never imports torch.distributed
+    shape.py  its sizes and cost terms, for the planner and the MFU figure
+    hf.py     its state-dict adapter: Hugging Face names and config.json
+    tp.py     its tensor-parallel plan
+
+Every public name of those files is re-exported, so `from <package>.models.llama import X` needs no
+file name; the ViT, hf_causal_lm and the custom stub build on the blocks and the cost terms.
+"""
+
+from ..lora import LoraLayout
+from ..spec import HFLayout, ModelSpec
+from .hf import HF_NAMES, hf_config_json
+from .model import (
+    DEBUG,
+    Attention,
+    Block,
+    BlockConfig,
+    FeedForward,
+    Llama,
+    LlamaConfig,
+    RopeScaling,
+    apply_rope,
+    model_rope_cache,
+    rope_cache,
+    rope_frequencies,
+)
+from .shape import DecoderShape, block_shape, decoder_shape
+from .tp import TP_PLAN, decoder_tp_errors
+
+__all__ = [
+    "DEBUG",
+    "HF_NAMES",
+    "SPEC",
+    "TP_PLAN",
+    "Attention",
+    "Block",
+    "BlockConfig",
+    "DecoderShape",
+    "FeedForward",
+    "Llama",
+    "LlamaConfig",
+    "RopeScaling",
+    "apply_rope",
+    "block_shape",
+    "decoder_shape",
+    "decoder_tp_errors",
+    "hf_config_json",
+    "model_rope_cache",
+    "rope_cache",
+    "rope_frequencies",
+]
+
+SPEC = ModelSpec(
+    config=LlamaConfig,
+    build=Llama,
+    shape=decoder_shape,
+    hf=HFLayout(
+        to_hf=HF_NAMES.to_hf,
+        from_hf=HF_NAMES.from_hf,
+        config_json=hf_config_json,
+    ),
+    lora=LoraLayout(attention="attention", mlp="feed_forward"),
+    tp_plan=TP_PLAN,
+)
