@@ -76,7 +76,10 @@ def check_inputs(cfg: Config, spec: ModelSpec, rdzv: Rendezvous) -> tuple[torch.
     device = resolve_device(cfg.device, rdzv.local_rank)
     tp = cfg.parallel.tensor_parallel
     check_tensor_parallel(tp, rdzv.world_size, rdzv.local_world_size)
-    check_plan(cfg, rdzv.world_size, device, rdzv.local_world_size)
+    check_plan(
+        model=cfg.model, train=cfg.train, parallel=cfg.parallel, hardware=cfg.hardware, finetune=cfg.finetune,
+        checkpoint=cfg.checkpoint, world_size=rdzv.world_size, device=device, local_world_size=rdzv.local_world_size,
+    )  # fmt: skip
     check_data(cfg, rdzv.rank // tp, rdzv.world_size // tp)  # a tensor-parallel group shares its batches
     check_resume(cfg.checkpoint)
     check_resume_finetune(cfg)
