@@ -104,7 +104,10 @@ def run_variant(project: Path, run: Path, variant: Variant, steps: int, warmup: 
     from bench_gpu.config import load_config
     from bench_gpu.plan import GIB, plan_for
 
-    peak, planned = max(r["peak_mem_gib"] for r in records), plan_for(load_config(config)).total / GIB
+    cfg = load_config(config)
+    plan = plan_for(model=cfg.model, train=cfg.train, parallel=cfg.parallel, hardware=cfg.hardware,
+                    finetune=cfg.finetune)  # fmt: skip
+    peak, planned = max(r["peak_mem_gib"] for r in records), plan.total / GIB
     return {
         "step_time_s": statistics.median(r["step_time_s"] for r in records),
         "tokens_per_s": statistics.median(r["tokens_per_s_per_device"] for r in records),

@@ -46,6 +46,12 @@ def model_config(size: str, **fields):
     return model_spec(fields.get("name", "llama")).config(**shapes | fields)
 
 
+def subs(cfg) -> dict:
+    """The sub-configs of `cfg` that the plan package's functions take."""
+    return dict(model=cfg.model, train=cfg.train, parallel=cfg.parallel, hardware=cfg.hardware, finetune=cfg.finetune,
+                checkpoint=cfg.checkpoint)  # fmt: skip
+
+
 def shape(plan, preset: str, **fields):
     """The preset's sizes and cost terms as its model module declares them (llama's, or the model `fields` name)."""
     from planpkg.models import model_shape
@@ -213,7 +219,7 @@ def test_question_time_and_run_time_recommendations_agree(plan, tmp_path):
             "recommend", preset, p["seq_len"], p["micro_batch_size"], precision, gpus, nodes, memory, link, "cuda",
             finetune,
         )  # fmt: skip
-        ac, sharding, offload = plan.recommend(cfg)
+        ac, sharding, offload = plan.recommend(**subs(cfg))
         assert q == f"{ac},{sharding},{str(offload).lower()}", (preset, precision, gpus, nodes, memory, link, finetune)
         if finetune == "lora":
             without = jinja("recommend", preset, p["seq_len"], p["micro_batch_size"], precision, gpus, nodes, memory,
@@ -309,6 +315,18 @@ def test_tensor_parallel_splits_what_one_rank_holds_by_hand(plan):
     assert plan.tensor_parallel_bytes(shape(plan, "8b"), "bf16", "none", 2, 16384) == 19_549_650_944
 
 
+def degrees_of(plan, cfg) -> list[int]:
+    return plan.tensor_parallel_degrees(model=cfg.model, train=cfg.train, hardware=cfg.hardware)
+
+
+def estimate(plan, cfg, degree: int, base_micro_batch: int):
+    return plan.estimate_tensor_parallel(**subs(cfg), degree=degree, base_micro_batch=base_micro_batch)
+
+
+def best_degree(plan, cfg, base_micro_batch: int) -> int:
+    return plan.recommend_tensor_parallel(**subs(cfg), base_micro_batch=base_micro_batch)
+
+
 def hardware_config(preset, precision, gpus, nodes, memory, intra, inter, arch, **model_fields):
     from planpkg.config import Config, HardwareConfig, ParallelConfig, TrainConfig
 
@@ -327,24 +345,24 @@ def hardware_config(preset, precision, gpus, nodes, memory, intra, inter, arch, 
 def test_tensor_parallel_is_recommended_where_fsdp_alone_is_communication_bound(plan):
     # One H100 node, Llama 3.1 8B: FSDP alone fits and its 0.28 s of traffic hides behind 1.0 s of compute.
     cfg = hardware_config("8b", "bf16", 8, 1, 80, "nvlink", "", "hopper")
-    assert plan.tensor_parallel_degrees(cfg) == [1, 2, 4, 8]
-    one = plan.estimate_tensor_parallel(cfg, 1, 1)
-    assert one.fsdp_s < one.compute_s and plan.recommend_tensor_parallel(cfg, 1) == 1
+    assert degrees_of(plan, cfg) == [1, 2, 4, 8]
+    one = estimate(plan, cfg, 1, 1)
+    assert one.fsdp_s < one.compute_s and best_degree(plan, cfg, 1) == 1
     # Four Blackwell nodes on InfiniBand, Llama 3.1 70B: FSDP alone sends 8P x 31/32 bytes per rank and step
     # over 25 GB/s, four times its compute; groups of 4 divide that by 4 for 2.6 s of their own on NVLink.
     cfg = hardware_config("70b", "bf16", 8, 4, 180, "nvlink", "infiniband", "blackwell")
-    one, four = plan.estimate_tensor_parallel(cfg, 1, 1), plan.estimate_tensor_parallel(cfg, 4, 1)
+    one, four = estimate(plan, cfg, 1, 1), estimate(plan, cfg, 4, 1)
     assert one.fsdp_s == pytest.approx(8 * shape(plan, "70b").P * 31 / 32 / 25e9) and one.fsdp_s > 4 * one.compute_s
     assert (four.micro_batch_size, four.cpu_offload, four.tokens) == (4, False, one.tokens)  # the same global batch
-    assert four.step_s < one.step_s / 2 and plan.recommend_tensor_parallel(cfg, 1) == 4
+    assert four.step_s < one.step_s / 2 and best_degree(plan, cfg, 1) == 4
     # Where every degree needs CPU offload, offload decides nothing and 1 stays the cheapest (70B on one node).
     cfg = hardware_config("70b", "bf16", 8, 1, 80, "nvlink", "", "hopper")
-    assert plan.estimate_tensor_parallel(cfg, 8, 1).cpu_offload and plan.recommend_tensor_parallel(cfg, 1) == 1
+    assert estimate(plan, cfg, 8, 1).cpu_offload and best_degree(plan, cfg, 1) == 1
     # Ethernet between nodes makes even 8B communication-bound.
     ethernet = hardware_config("8b", "bf16", 8, 4, 80, "nvlink", "ethernet", "hopper")
-    assert plan.recommend_tensor_parallel(ethernet, 1) == 4
+    assert best_degree(plan, ethernet, 1) == 4
     # Heads decide which degrees exist: 125m has 12 heads, so 8 is out.
-    assert plan.tensor_parallel_degrees(hardware_config("125m", "bf16", 8, 1, 80, "nvlink", "", "hopper")) == [1, 2, 4]
+    assert degrees_of(plan, hardware_config("125m", "bf16", 8, 1, 80, "nvlink", "", "hopper")) == [1, 2, 4]
 
 
 TP_GRID = list(itertools.product(
@@ -390,15 +408,15 @@ def tp_recommendations(plan, grid, model_type: str, **model_fields) -> set[int]:
         p = PRESETS[preset]
         cfg = hardware_config(preset, "bf16", gpus, nodes, memory, intra, inter, "hopper", **model_fields)
         degrees = jinja("tp_degrees", preset, p["seq_len"], gpus, "cuda", model_type)
-        assert degrees == ",".join(map(str, plan.tensor_parallel_degrees(cfg)))
+        assert degrees == ",".join(map(str, degrees_of(plan, cfg)))
         q = jinja("recommend_tp", preset, p["seq_len"], p["micro_batch_size"], "bf16", gpus, nodes, memory, intra,
                   inter, "cuda", "hopper", model_type)  # fmt: skip
-        r = plan.recommend_tensor_parallel(cfg, p["micro_batch_size"])
+        r = best_degree(plan, cfg, p["micro_batch_size"])
         assert int(q) == r, (preset, gpus, nodes, memory, intra, inter)
-        for t in plan.tensor_parallel_degrees(cfg):
+        for t in degrees_of(plan, cfg):
             qe = json.loads(jinja("tp_estimate", preset, p["seq_len"], p["micro_batch_size"], "bf16", gpus, nodes,
                                   memory, intra, inter, "cuda", "hopper", t, 0, model_type == "llama"))  # fmt: skip
-            re_ = plan.estimate_tensor_parallel(cfg, t, p["micro_batch_size"])
+            re_ = estimate(plan, cfg, t, p["micro_batch_size"])
             assert bool(qe) == (re_ is not None)
             if re_ is not None:
                 assert (qe["micro_batch_size"], qe["ac"], qe["sharding"], qe["offload"]) == (
@@ -428,9 +446,9 @@ def test_transformers_tensor_parallel_plans_are_planned_alike_at_question_and_ru
     # fit without CPU offload, so it plans them; transformers' pairs would need offload, so FSDP alone.
     llama, hf = (hardware_config("70b", "bf16", 8, 4, 80, "nvlink", "infiniband", "hopper", name=name)
                  for name in ("llama", "hf_causal_lm"))  # fmt: skip
-    ours, theirs = plan.estimate_tensor_parallel(llama, 2, 1), plan.estimate_tensor_parallel(hf, 2, 1)
+    ours, theirs = estimate(plan, llama, 2, 1), estimate(plan, hf, 2, 1)
     assert (ours.cpu_offload, theirs.cpu_offload) == (False, True), (ours, theirs)
-    assert (plan.recommend_tensor_parallel(llama, 1), plan.recommend_tensor_parallel(hf, 1)) == (2, 1)
+    assert (best_degree(plan, llama, 1), best_degree(plan, hf, 1)) == (2, 1)
 
 
 def test_host_memory_of_70b_on_one_24_gib_gpu_by_hand(plan):
@@ -523,10 +541,10 @@ def test_question_time_and_run_time_recommendations_agree_on_host_memory(plan):
         )  # fmt: skip
         args = [preset, p["seq_len"], p["micro_batch_size"], "bf16", gpus, nodes, memory, link, accelerator]
         q = hook("plan", "recommend", *args, "full", 1, host)
-        ac, sharding, offload = plan.recommend(cfg)
+        ac, sharding, offload = plan.recommend(**subs(cfg))
         assert q == f"{ac},{sharding},{str(offload).lower()}", (preset, gpus, nodes, memory, host, link, accelerator)
         differ += q != hook("plan", "recommend", *args)  # without a host figure
-        refused += plan.cheapest(cfg) is None
+        refused += plan.cheapest(**subs(cfg)) is None
     assert differ > 10 and refused > 10, (differ, refused)  # the node's RAM changes picks and refuses plans
 
 

@@ -1,10 +1,11 @@
 """The table `python -m <package>.plan` prints: every sharding choice's per-rank memory and per-step
-communication for a config, from the formulas of plan/__init__.py."""
+communication for a config, from the formulas of plan/, so that a user re-sizing a run sees the
+alternatives with the numbers the planner compared."""
 
 from __future__ import annotations
 
-from ..config import Config
-from ..models import model_shape
+from ..config import CheckpointConfig, FinetuneConfig, HardwareConfig, ParallelConfig, TrainConfig
+from ..models import ModelConfig, model_shape
 from . import (
     GIB,
     HEADROOM,
@@ -24,10 +25,14 @@ from . import (
 )
 
 
-def format_table(cfg: Config) -> str:
-    """Per-rank memory and per-step communication of every sharding choice for this config."""
-    s, hw, p = model_shape(cfg.model), cfg.hardware, cfg.parallel
-    unit, unit_name = (GIB, "GiB") if plan_for(cfg, sharding="no_shard").total >= GIB else (2**20, "MiB")
+def format_table(
+    *, model: ModelConfig, train: TrainConfig, parallel: ParallelConfig, hardware: HardwareConfig,
+    finetune: FinetuneConfig, checkpoint: CheckpointConfig,
+) -> str:  # fmt: skip
+    """Per-rank memory and per-step communication of every sharding choice for these settings."""
+    args = dict(model=model, train=train, parallel=parallel, hardware=hardware, finetune=finetune)
+    s, hw, p = model_shape(model), hardware, parallel
+    unit, unit_name = (GIB, "GiB") if plan_for(**args, sharding="no_shard").total >= GIB else (2**20, "MiB")
     widths = (15, 8, 11, 7, 10, 8, 10, 9, 7, 8, 13)
 
     def line(*values) -> str:
@@ -38,14 +43,15 @@ def format_table(cfg: Config) -> str:
     group = "rank" if p.tensor_parallel == 1 else f"group of {p.tensor_parallel} (tensor parallel)"
     usable = HOST_MEMORY["headroom"] * hw.host_memory_gb
     ram = f"; {hw.host_memory_gb:g} GiB of RAM per node ({usable:.1f} usable)" if hw.host_memory_gb else ""
+    accum = grad_accum(train=train, parallel=p, hardware=hw)
     rows = [
-        f"{cfg.model.preset}: {s.P / 1e9:.2f}B parameters; per {group} {cfg.train.micro_batch_size} x "
-        f"{cfg.train.seq_len} tokens x {grad_accum(cfg)} micro-batch(es); {p.mixed_precision}; activation "
+        f"{model.preset}: {s.P / 1e9:.2f}B parameters; per {group} {train.micro_batch_size} x "
+        f"{train.seq_len} tokens x {accum} micro-batch(es); {p.mixed_precision}; activation "
         f"checkpointing {p.activation_checkpointing}",
         f"hardware: {hw.num_nodes} node(s) x {hw.gpus_per_node} {hw.accelerator}"
         + (f", {hw.gpu_memory_gb:g} GiB each ({HEADROOM * hw.gpu_memory_gb:.1f} usable)" if hw.gpu_memory_gb else "")
         + ram,
-        *lora_lines(cfg, unit, unit_name),
+        *lora_lines(**args, unit=unit, unit_name=unit_name),
         "",
         line(
             "sharding",
@@ -66,13 +72,14 @@ def format_table(cfg: Config) -> str:
         (x, offload, False) for x in SHARDINGS[1:] if x != "hybrid" or hw.num_nodes > 1 for offload in (False, True)
     ]
     for sharding, offload, zero in choices:
-        m = plan_for(cfg, sharding=sharding, cpu_offload=offload, zero_optimizer=zero)
-        compute, comm = step_seconds(s, cfg, sharding, zero)
+        m = plan_for(**args, sharding=sharding, cpu_offload=offload, zero_optimizer=zero)
+        compute, comm = step_seconds(s, train=train, parallel=p, hardware=hw, finetune=finetune, sharding=sharding,
+                                     zero_optimizer=zero)  # fmt: skip
         sent = communication_bytes(
-            s, sharding, p.mixed_precision, hw.gpus_per_node, hw.num_nodes, zero, p.float8, **lora_of(cfg),
-            tensor_parallel=p.tensor_parallel,
+            s, sharding, p.mixed_precision, hw.gpus_per_node, hw.num_nodes, zero, p.float8,
+            **lora_of(finetune=finetune), tensor_parallel=p.tensor_parallel,
         )  # fmt: skip
-        host = host_plan_for(cfg, m, cpu_offload=offload)
+        host = host_plan_for(**args, checkpoint=checkpoint, m=m, cpu_offload=offload)
         device_fits = not hw.gpu_memory_gb or m.fits(hw.gpu_memory_gb)
         fits = "no" if not device_fits else "yes" if host.fits(hw.host_memory_gb) else "host"
         resident = 0 if offload else m.params + m.optim
@@ -82,29 +89,35 @@ def format_table(cfg: Config) -> str:
         name, sent_gb = sharding + ("+zero" if zero else ""), sum(sent.values()) / 1e9
         row = line(name, "yes" if offload else "no", *sizes, f"  {fits}", f"{sent_gb:.1f}", f"{comm / compute:.2f}")
         rows.append(row + ("   <- this config" if this else ""))
-    ac, sharding, offload = recommend(cfg)
+    ac, sharding, offload = recommend(**args, checkpoint=checkpoint)
     rows += [
         "",
         f"planner's choice: sharding={sharding}, activation_checkpointing={ac}, cpu_offload={offload}",
-        f"host: RAM of one node ({hw.gpus_per_node} ranks) at its peak; this config's: {host_plan_for(cfg).describe()}",
+        f"host: RAM of one node ({hw.gpus_per_node} ranks) at its peak; this config's: "
+        f"{host_plan_for(**args, checkpoint=checkpoint).describe()}",
         "comm/compute: estimated communication time over compute time per step (40% MFU); above 1, FSDP cannot "
         "hide the communication behind compute",
     ]
-    return "\n".join(rows + tensor_parallel_rows(cfg))
+    return "\n".join(rows + tensor_parallel_rows(**args, checkpoint=checkpoint))
 
 
-def tensor_parallel_rows(cfg: Config) -> list[str]:
-    """Every tensor-parallel degree's cheapest plan and estimated step (plan.estimate_tensor_parallel)."""
-    degrees = tensor_parallel_degrees(cfg)
-    if len(degrees) == 1 or not cfg.hardware.gpu_memory_gb:
+def tensor_parallel_rows(
+    *, model: ModelConfig, train: TrainConfig, parallel: ParallelConfig, hardware: HardwareConfig,
+    finetune: FinetuneConfig, checkpoint: CheckpointConfig,
+) -> list[str]:  # fmt: skip
+    """Every tensor-parallel degree's cheapest plan and estimated step (choice.estimate_tensor_parallel)."""
+    degrees = tensor_parallel_degrees(model=model, train=train, hardware=hardware)
+    if len(degrees) == 1 or not hardware.gpu_memory_gb:
         return []
-    base = max(cfg.train.micro_batch_size // cfg.parallel.tensor_parallel, 1)  # sequences per GPU
-    rows = ["", f"tensor parallelism at {cfg.train.seq_len} tokens, from {base} sequence(s) per GPU:",
+    args = dict(model=model, train=train, parallel=parallel, hardware=hardware, finetune=finetune,
+                checkpoint=checkpoint)  # fmt: skip
+    base = max(train.micro_batch_size // parallel.tensor_parallel, 1)  # sequences per GPU
+    rows = ["", f"tensor parallelism at {train.seq_len} tokens, from {base} sequence(s) per GPU:",
             f"{'degree':<8}{'micro':>6}  {'plan (AC, sharding, offload)':<30}{'compute s':>10}{'FSDP s':>8}"
             f"{'TP s':>7}{'step s':>8}{'s / 1M tokens':>15}"]  # fmt: skip
     for degree in degrees:
-        e = estimate_tensor_parallel(cfg, degree, base)
-        this = "   <- this config" if degree == cfg.parallel.tensor_parallel else ""
+        e = estimate_tensor_parallel(**args, degree=degree, base_micro_batch=base)
+        this = "   <- this config" if degree == parallel.tensor_parallel else ""
         if e is None:
             rows.append(f"{degree:<8}{'-':>6}  nothing fits{this}")
             continue
@@ -112,21 +125,26 @@ def tensor_parallel_rows(cfg: Config) -> list[str]:
         per_million = e.seconds_per_token * 1e6
         seconds = f"{e.compute_s:>10.2f}{e.fsdp_s:>8.2f}{e.tp_s:>7.2f}{e.step_s:>8.2f}{per_million:>15.1f}"
         rows.append(f"{degree:<8}{e.micro_batch_size:>6}  {choice:<30}{seconds}{this}")
-    rows.append(f"planner's tensor_parallel: {recommend_tensor_parallel(cfg, base)} (no CPU offload if any degree "
-                "avoids it, then the fewest seconds per token; TP's collectives are not overlapped)")  # fmt: skip
+    best = recommend_tensor_parallel(**args, base_micro_batch=base)
+    rows.append(f"planner's tensor_parallel: {best} (no CPU offload if any degree avoids it, then the fewest "
+                "seconds per token; TP's collectives are not overlapped)")  # fmt: skip
     return rows
 
 
-def lora_lines(cfg: Config, unit: float, unit_name: str) -> list[str]:
-    """With LoRA: the adapters trained, and the peak of the same plan with full fine-tuning."""
-    f = cfg.finetune
-    if f.method != "lora":
+def lora_lines(
+    *, model: ModelConfig, train: TrainConfig, parallel: ParallelConfig, hardware: HardwareConfig,
+    finetune: FinetuneConfig, unit: float, unit_name: str,
+) -> list[str]:  # fmt: skip
+    """With LoRA: the adapters trained, and the peak of the same plan with full fine-tuning, which is what
+    LoRA saves."""
+    if finetune.method != "lora":
         return []
-    s = model_shape(cfg.model)
-    adapters = s.L * adapter_params(s, **lora_of(cfg))
-    lora, full = plan_for(cfg).total, plan_for(cfg, finetune="full").total
+    args = dict(model=model, train=train, parallel=parallel, hardware=hardware, finetune=finetune)
+    s = model_shape(model)
+    adapters = s.L * adapter_params(s, **lora_of(finetune=finetune))
+    lora, full = plan_for(**args).total, plan_for(**args, method="full").total
     return [
-        f"finetune: lora, rank {f.lora_rank}, lora_targets {f.lora_targets}: {adapters / 1e6:.2f}M trained "
-        f"parameters ({adapters / s.P:.2%}); peak {lora / unit:.1f} {unit_name} against {full / unit:.1f} with full "
-        "fine-tuning"
+        f"finetune: lora, rank {finetune.lora_rank}, lora_targets {finetune.lora_targets}: {adapters / 1e6:.2f}M "
+        f"trained parameters ({adapters / s.P:.2%}); peak {lora / unit:.1f} {unit_name} against {full / unit:.1f} "
+        "with full fine-tuning"
     ]

@@ -1,5 +1,7 @@
-"""Re-sizing advice: the hardware this machine has against the hardware the repo was planned for,
-and the `copier update` answers that re-plan it (`python -m <package>.plan --detect`)."""
+"""Re-sizing advice (`python -m <package>.plan --detect`): the hardware this machine has against the
+hardware the repo was planned for, and the `copier update` answers that re-plan it. Copier's
+`--defaults` keeps every earlier answer it is not given, so the command must carry the planner's
+choices for the new hardware, checked to fit, or the update would keep a plan that does not."""
 
 from __future__ import annotations
 
@@ -7,12 +9,14 @@ import argparse
 from dataclasses import replace
 from pathlib import Path
 
-from .. import hardware
-from ..config import Config, HardwareConfig, load_config
+from .. import hardware as machine
+from ..config import CheckpointConfig, DistConfig, FinetuneConfig, HardwareConfig, ParallelConfig, TrainConfig
+from ..models import ModelConfig
 from ..presets import DEFAULT_BACKEND, DEFAULT_PRECISION
 from . import (
     GIB,
     HOST_MEMORY,
+    cheapest,
     estimate_tensor_parallel,
     grad_accum,
     host_plan_for,
@@ -20,7 +24,6 @@ from . import (
     recommend,
     recommend_tensor_parallel,
 )
-from .report import format_table
 
 # copier.yml's hardware questions, in its order.
 HARDWARE_QUESTIONS = ("accelerator", "gpu_arch", "gpus_per_node", "gpu_memory_gb", "host_memory_gb", "intra_node_link")
@@ -61,7 +64,7 @@ def live_hardware(planned: HardwareConfig, detected: dict) -> HardwareConfig:
     if not memory:
         raise ValueError(
             "the probe could not read the device memory: write `gpu_memory_gb: <GiB>` into its YAML "
-            f"(`python -m {hardware.__name__} --out hw.yml`) and pass it with --detected hw.yml"
+            f"(`python -m {machine.__name__} --out hw.yml`) and pass it with --detected hw.yml"
         )
     gpus = int(detected["gpus_per_node"])
     arch = str(detected.get("gpu_arch", planned.gpu_arch if same_kind else "")) if accelerator == "cuda" else ""
@@ -71,31 +74,37 @@ def live_hardware(planned: HardwareConfig, detected: dict) -> HardwareConfig:
     )
 
 
-def with_answers(cfg: Config, live: HardwareConfig, answers: dict) -> Config:
-    """`cfg` as `copier update -d answers` would render it on `live`, keeping its micro-batches per step."""
+def with_answers(
+    *, train: TrainConfig, parallel: ParallelConfig, hardware: HardwareConfig, live: HardwareConfig, answers: dict
+) -> dict:
+    """The train, parallel and hardware sub-configs as `copier update -d answers` would render them on
+    `live`, keeping the micro-batches per step (the global batch follows the data-parallel ranks)."""
     parallel_keys = ("mixed_precision", "compile", "sharding", "activation_checkpointing", "cpu_offload",
                      "tensor_parallel")  # fmt: skip
-    parallel = replace(cfg.parallel, **{k: answers[k] for k in parallel_keys if k in answers})
-    micro = answers.get("micro_batch_size", cfg.train.micro_batch_size)
-    dp = live.gpus_per_node * live.num_nodes // parallel.tensor_parallel
-    return replace(
-        cfg,
-        hardware=live,
-        train=replace(cfg.train, micro_batch_size=micro, global_batch_size=micro * dp * grad_accum(cfg)),
-        dist=replace(cfg.dist, backend=answers.get("backend", cfg.dist.backend)),
-        parallel=parallel,
-    )
+    new = replace(parallel, **{k: answers[k] for k in parallel_keys if k in answers})
+    micro = answers.get("micro_batch_size", train.micro_batch_size)
+    dp = live.gpus_per_node * live.num_nodes // new.tensor_parallel
+    accum = grad_accum(train=train, parallel=parallel, hardware=hardware)
+    batch = replace(train, micro_batch_size=micro, global_batch_size=micro * dp * accum,
+                    seq_len=answers.get("seq_len", train.seq_len))  # fmt: skip
+    return {"train": batch, "parallel": new, "hardware": live}
 
 
-def resize(cfg: Config, live: HardwareConfig) -> dict:
-    """The `copier update -d` answers that re-size a repo planned as `cfg` for `live`; empty when it matches.
+def resize(
+    *, model: ModelConfig, train: TrainConfig, parallel: ParallelConfig, hardware: HardwareConfig,
+    finetune: FinetuneConfig, checkpoint: CheckpointConfig, dist: DistConfig, live: HardwareConfig,
+) -> dict:  # fmt: skip
+    """The `copier update -d` answers that re-size a repo planned with these settings for `live`; empty when
+    it matches.
 
     The hardware answers that differ; mixed_precision, backend and compile where they were the old
     hardware's defaults or cannot work on the new one (bf16 before Ampere, nccl off CUDA, xccl off
     XPU); and the planner's sharding, activation checkpointing and offload for `live`, because
-    `copier update --defaults` keeps the previous answers to every question not given with -d.
+    `copier update --defaults` keeps the previous answers to every question not given with -d. Where
+    nothing fits the preset's micro-batch and sequence, the longest of their halvings that fits comes
+    with them (fitting_batch), so that copier accepts the command as printed.
     """
-    old, p = cfg.hardware, cfg.parallel
+    old, p = hardware, parallel
     answers: dict = {}
     for question in HARDWARE_QUESTIONS:
         value = getattr(live, question)
@@ -106,36 +115,63 @@ def resize(cfg: Config, live: HardwareConfig) -> dict:
     precision = p.mixed_precision
     if precision == default_precision(old) or (precision == "bf16" and default_precision(live) == "fp16"):
         precision = default_precision(live)
-    backend = cfg.dist.backend
+    backend = dist.backend
     if backend == DEFAULT_BACKEND[old.accelerator] or backend in ("nccl", "xccl"):
         backend = DEFAULT_BACKEND[live.accelerator]
     compile_ = live.accelerator == "cuda" if p.compile == (old.accelerator == "cuda") else p.compile
     for key, new, now in (
         ("mixed_precision", precision, p.mixed_precision),
-        ("backend", backend, cfg.dist.backend),
+        ("backend", backend, dist.backend),
         ("compile", compile_, p.compile),
     ):
         if new != now:
             answers[key] = new
-    if cfg.model.preset not in ("debug", "vit-debug"):  # only preset configs carry a tensor-parallel degree
-        answers |= tensor_parallel_answers(with_answers(cfg, live, answers))
-    ac, sharding, offload = recommend(with_answers(cfg, live, answers))
+    fixed = dict(model=model, finetune=finetune, checkpoint=checkpoint)
+    replan = dict(train=train, parallel=parallel, hardware=hardware, live=live)
+    if model.preset not in ("debug", "vit-debug"):  # only preset configs carry a tensor-parallel degree
+        answers |= tensor_parallel_answers(**fixed, **with_answers(**replan, answers=answers))
+    if live.accelerator != "cpu" and cheapest(**fixed, **with_answers(**replan, answers=answers)) is None:
+        answers |= fitting_batch(**fixed, **with_answers(**replan, answers=answers))
+    ac, sharding, offload = recommend(**fixed, **with_answers(**replan, answers=answers))
     return {**answers, "sharding": sharding, "activation_checkpointing": ac, "cpu_offload": offload}
 
 
-def tensor_parallel_answers(cfg: Config) -> dict:
-    """tensor_parallel and micro_batch_size for cfg's new hardware, when the planner's degree differs from cfg's.
+def fitting_batch(
+    *, model: ModelConfig, train: TrainConfig, parallel: ParallelConfig, hardware: HardwareConfig,
+    finetune: FinetuneConfig, checkpoint: CheckpointConfig,
+) -> dict:  # fmt: skip
+    """micro_batch_size and seq_len answers with which some plan fits where train's do not: the largest
+    halving of the micro-batch, then of the sequence at one sample; empty when none fits (the report then
+    says so). A ViT's micro-batch is its images; its sequence is not asked."""
+    smaller = [(train.micro_batch_size // 2**i, train.seq_len) for i in range(1, 12)]
+    shorter = [(1, train.seq_len // 2**i) for i in range(1, 8) if train.seq_len // 2**i >= 128]
+    for micro, seq in dict.fromkeys(c for c in smaller + (shorter if model.name != "vit" else []) if c[0] >= 1):
+        trial = replace(train, micro_batch_size=micro, seq_len=seq)
+        if cheapest(model=model, train=trial, parallel=parallel, hardware=hardware, finetune=finetune,
+                    checkpoint=checkpoint):  # fmt: skip
+            changed = {"micro_batch_size": micro, "seq_len": seq}
+            return {k: v for k, v in changed.items() if v != getattr(train, k)}
+    return {}
 
-    A group of t GPUs takes t times the sequences of one GPU (as copier plans it), so the
-    micro-batch changes with the degree: the largest that fits, or t times one GPU's where nothing
-    fits (or on CPU ranks, which are not memory-planned).
+
+def tensor_parallel_answers(
+    *, model: ModelConfig, train: TrainConfig, parallel: ParallelConfig, hardware: HardwareConfig,
+    finetune: FinetuneConfig, checkpoint: CheckpointConfig,
+) -> dict:  # fmt: skip
+    """tensor_parallel and micro_batch_size for the new hardware, when the planner's degree differs.
+
+    A group of t GPUs takes t times the sequences of one GPU (as copier plans it), so the micro-batch
+    changes with the degree: the largest that fits, or t times one GPU's where nothing fits (or on CPU
+    ranks, which are not memory-planned).
     """
-    degree = cfg.parallel.tensor_parallel
-    base = max(cfg.train.micro_batch_size // degree, 1)
-    best = recommend_tensor_parallel(cfg, base)
+    args = dict(model=model, train=train, parallel=parallel, hardware=hardware, finetune=finetune,
+                checkpoint=checkpoint)  # fmt: skip
+    degree = parallel.tensor_parallel
+    base = max(train.micro_batch_size // degree, 1)
+    best = recommend_tensor_parallel(**args, base_micro_batch=base)
     if best == degree:
         return {}
-    estimate = estimate_tensor_parallel(cfg, best, base)
+    estimate = estimate_tensor_parallel(**args, degree=best, base_micro_batch=base)
     return {"tensor_parallel": best, "micro_batch_size": estimate.micro_batch_size if estimate else base * best}
 
 
@@ -152,20 +188,41 @@ def describe(hw: HardwareConfig) -> str:
     return f"{hw.num_nodes} node(s) x {hw.gpus_per_node} {hw.accelerator}" + (f" ({extra})" if extra else "")
 
 
-def detect_report(cfg: Config, detected: dict, how: dict | None = None, preset: Config | None = None) -> str:
-    """What `--detect` prints: `cfg`'s planned hardware against `detected`, and how to re-size the repo.
+def shortfall(
+    *, model: ModelConfig, train: TrainConfig, parallel: ParallelConfig, hardware: HardwareConfig,
+    finetune: FinetuneConfig, checkpoint: CheckpointConfig,
+) -> list[str]:  # fmt: skip
+    """What the report says when the re-sized preset still does not fit `hardware` (the live machine):
+    the only answer left to change is the model, or the number of nodes."""
+    args = dict(model=model, train=train, parallel=parallel, hardware=hardware, finetune=finetune)
+    where = describe(hardware)
+    if hardware.accelerator != "cpu" and not plan_for(**args).fits(hardware.gpu_memory_gb):
+        return [
+            f"Nothing fits {model.preset} on {where}, not even full sharding with CPU offload and full activation "
+            "checkpointing at one short sequence: add -d model_size=<smaller> below.",
+            "",
+        ]
+    if not (host := host_plan_for(**args, checkpoint=checkpoint)).fits(hardware.host_memory_gb):
+        return [
+            f"{model.preset} needs {host.total / GIB:.1f} GiB of RAM per node ({host.describe()}), over the "
+            f"{HOST_MEMORY['headroom'] * hardware.host_memory_gb:.1f} GiB usable of {hardware.host_memory_gb:g}: add "
+            "-d num_nodes=N below, or -d model_size=<smaller>.",
+            "",
+        ]
+    return []
 
-    `preset` is the config of the repo's model_size, which copier plans for (default: `cfg`); the
-    table is `cfg`'s plan on the detected hardware with the answers the update would give.
-    """
-    preset, how = preset or cfg, how or {}
-    live = live_hardware(preset.hardware, detected)
-    answers = resize(preset, live)
+
+def detect_report(
+    *, planned: HardwareConfig, live: HardwareConfig, answers: dict, detected: dict, how: dict, table: str,
+    note: list[str],
+) -> str:  # fmt: skip
+    """What `--detect` prints: the `planned` hardware against the `live` one, the `table` of the config on
+    it after the update, the `note` of shortfall(), and the update command that gives the repo `answers`."""
     if not answers:
         return f"This machine matches the hardware the repo was planned for, {describe(live)}: nothing to re-size."
-    lines = [f"planned for:   {describe(preset.hardware)}", f"this machine:  {describe(live)}"]
+    lines = [f"planned for:   {describe(planned)}", f"this machine:  {describe(live)}"]
     for question in HARDWARE_QUESTIONS:
-        was = getattr(preset.hardware, question)
+        was = getattr(planned, question)
         if question in answers:
             was = f"{was:g}" if isinstance(was, float) else was or "-"
             lines.append(f"  {question:<16} {was:>7} -> {answers[question]!s:<8} {how.get(question, '')}")
@@ -175,22 +232,10 @@ def detect_report(cfg: Config, detected: dict, how: dict | None = None, preset: 
             )
     if live.num_nodes > 1:
         lines.append(f"  num_nodes={live.num_nodes} and inter_node_link={live.inter_node_link} are kept as planned")
-    replanned = with_answers(cfg, live, answers)
-    lines += ["", f"The {cfg.model.preset} config on this machine, after the update:", "", format_table(replanned), ""]
-    final = with_answers(preset, live, answers)
-    if live.accelerator != "cpu" and not plan_for(final).fits(live.gpu_memory_gb):
-        lines += [
-            f"Nothing fits {preset.model.preset} on {describe(live)}, not even full sharding with CPU offload and full "
-            "activation checkpointing: add -d micro_batch_size=N or -d seq_len=N below, or -d model_size=<smaller>.",
-            "",
-        ]
-    elif not (host := host_plan_for(final)).fits(live.host_memory_gb):
-        lines += [
-            f"{preset.model.preset} needs {host.total / GIB:.1f} GiB of RAM per node ({host.describe()}), over the "
-            f"{HOST_MEMORY['headroom'] * live.host_memory_gb:.1f} GiB usable of {live.host_memory_gb:g}: add "
-            "-d num_nodes=N below, or -d model_size=<smaller>.",
-            "",
-        ]
+    batch = [f"{k}={answers[k]}" for k in ("micro_batch_size", "seq_len") if k in answers]
+    if batch and "tensor_parallel" not in answers:
+        lines.append(f"  {' and '.join(batch)}: the largest that fits this machine")
+    lines += ["", table, ""] + note
     lines += [
         "Re-size the repo for this machine (from a clean git checkout; your edits are kept):",
         "",
@@ -199,15 +244,17 @@ def detect_report(cfg: Config, detected: dict, how: dict | None = None, preset: 
     return "\n".join(lines)
 
 
-def detect_main(rest: list[str], detected_file: Path | None) -> str:
-    """`--detect`: probe this machine (or read a probe's YAML) and compare with the repo's answers."""
+def detect_inputs(rest: list[str], detected_file: Path | None) -> tuple[list[str], list[str] | None, dict, dict, list]:
+    """What `--detect` compares: the command line of the config to show, that of the repo's preset config
+    (None: the same), and the hardware detected here (or read from a probe's YAML), how each value was
+    found, and the probe's notes."""
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config", type=Path, default=None)
     config = pre.parse_known_args(rest)[0].config
     # The repo's root holds the answers copier generated it with: model_size names the preset config.
     root = config.resolve().parent.parent if config else Path.cwd()
     answers_file = root / ".copier-answers.yml"
-    answers = hardware.read_answers(answers_file.read_text()) if answers_file.is_file() else {}
+    answers = machine.read_answers(answers_file.read_text()) if answers_file.is_file() else {}
     preset_file = root / "configs" / f"{answers.get('model_size', '')}.toml"
     if answers and not preset_file.is_file():  # the debug presets (debug, vit-debug) are configs/debug.toml
         preset_file = root / "configs" / "debug.toml"
@@ -218,17 +265,13 @@ def detect_main(rest: list[str], detected_file: Path | None) -> str:
                 "run it from the repo root or pass --config configs/<preset>.toml"
             )
         rest = ["--config", str(preset_file), *rest]
-    cfg = load_config(rest)
-    preset = load_config(["--config", str(preset_file)]) if preset_file.is_file() else cfg
-    notes: list[str] = []
+    preset = ["--config", str(preset_file)] if preset_file.is_file() else None
     if detected_file is not None:
         if not detected_file.is_file():
             raise ValueError(
-                f"--detected {detected_file}: no such file (`python -m {hardware.__name__} --out FILE` writes one)"
+                f"--detected {detected_file}: no such file (`python -m {machine.__name__} --out FILE` writes one)"
             )
-        detected = hardware.read_answers(detected_file.read_text())
-        how = {key: f"from {detected_file}" for key in detected}
-    else:
-        found = hardware.detect()
-        detected, how, notes = found.answers, found.how, found.notes
-    return "\n".join([detect_report(cfg, detected, how, preset), *(f"note: {n}" for n in notes)])
+        detected = machine.read_answers(detected_file.read_text())
+        return rest, preset, detected, {key: f"from {detected_file}" for key in detected}, []
+    found = machine.detect()
+    return rest, preset, found.answers, found.how, found.notes

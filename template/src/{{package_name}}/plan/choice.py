@@ -1,0 +1,165 @@
+"""The planner's picks: the cheapest sharding, activation checkpointing and offload that fit, and the
+tensor-parallel degree with the cheapest estimated step. The same search ran at question time
+(hooks/plan.jinja's best_given, recommend and recommend_tp) to choose the repo's defaults; the
+trainer's checks, `python -m <package>.plan` and its re-sizing advice run it on the live config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from ..config import CheckpointConfig, FinetuneConfig, HardwareConfig, ParallelConfig, TrainConfig
+from ..models import ModelConfig, model_shape, model_spec
+from .communication import MFU, communication_bytes, link_seconds, peak_flops, tensor_parallel_bytes
+from .host import host_plan_for
+from .memory import AC_MODES, plan_for
+
+
+def sharding_candidates(num_nodes: int, inter_node_link: str, tensor_parallel: int = 1) -> tuple[str, ...]:
+    """Least communication first; hybrid ahead of full when the link between nodes is slow, since it keeps
+    the parameter traffic inside the nodes. DDP (no_shard) is not combined with tensor parallelism."""
+    if num_nodes > 1 and inter_node_link == "ethernet":
+        order = ("no_shard", "shard_grad_op", "hybrid", "full")
+    elif num_nodes > 1:
+        order = ("no_shard", "shard_grad_op", "full", "hybrid")
+    else:
+        order = ("no_shard", "shard_grad_op", "full")
+    return order if tensor_parallel == 1 else order[1:]
+
+
+def cheapest(
+    *, model: ModelConfig, train: TrainConfig, parallel: ParallelConfig, hardware: HardwareConfig,
+    finetune: FinetuneConfig, checkpoint: CheckpointConfig,
+) -> tuple[str, str, bool] | None:  # fmt: skip
+    """The cheapest (activation checkpointing, sharding, offload) that fits the device and the node's RAM;
+    None if nothing does.
+
+    Sharding harder is tried before recomputing (recomputation costs every step), and CPU offload only
+    when nothing else fits. DDP with a ZeRO optimizer is never the pick: shard_grad_op splits the
+    gradients as well, and sends less (one all-gather and a reduce-scatter against an all-reduce and a
+    broadcast). CPU ranks have no device budget: full sharding without offload, recomputing only where
+    host memory needs it. The host plan takes `checkpoint`'s format and export (copier's questions
+    assume dcp and an export, the defaults of the later questions, and check the answers to those when
+    they are given).
+    """
+    hw, cpu = hardware, hardware.accelerator == "cpu"
+    shardings = ("full",) if cpu else sharding_candidates(hw.num_nodes, hw.inter_node_link, parallel.tensor_parallel)
+    args = dict(model=model, train=train, parallel=parallel, hardware=hw, finetune=finetune)
+    for offload in (False,) if cpu else (False, True):
+        for ac in AC_MODES:
+            for sharding in shardings:
+                if offload and sharding == "no_shard":
+                    continue
+                plan = plan_for(**args, sharding=sharding, cpu_offload=offload, ac=ac, zero_optimizer=False)
+                host = host_plan_for(**args, checkpoint=checkpoint, m=plan, cpu_offload=offload)
+                if (cpu or plan.fits(hw.gpu_memory_gb)) and host.fits(hw.host_memory_gb):
+                    return ac, sharding, offload
+    return None
+
+
+def recommend(
+    *, model: ModelConfig, train: TrainConfig, parallel: ParallelConfig, hardware: HardwareConfig,
+    finetune: FinetuneConfig, checkpoint: CheckpointConfig,
+) -> tuple[str, str, bool]:  # fmt: skip
+    """cheapest(), or the most frugal plan when nothing fits, which check_plan and copier then refuse with
+    the figures; CPU ranks gain nothing from offload."""
+    found = cheapest(model=model, train=train, parallel=parallel, hardware=hardware, finetune=finetune,
+                     checkpoint=checkpoint)  # fmt: skip
+    return found or ("full", "full", hardware.accelerator != "cpu")
+
+
+@dataclass(frozen=True)
+class TensorParallelEstimate:
+    """The cheapest plan with one tensor-parallel degree, and what a step of it is estimated to cost."""
+
+    degree: int
+    micro_batch_size: int
+    """Sequences per forward pass of a group: the largest of base x degree and its halvings that fits."""
+    ac: str
+    sharding: str
+    cpu_offload: bool
+    compute_s: float
+    """Seconds of compute per step (at MFU; full activation checkpointing adds a third)."""
+    fsdp_s: float
+    """Seconds of FSDP's communication per step, which overlaps with compute."""
+    tp_s: float
+    """Seconds of tensor parallelism's communication per step, which does not."""
+    tokens: int
+    """Tokens per step over all ranks (a global batch of micro_batch_size per data-parallel rank)."""
+
+    @property
+    def step_s(self) -> float:
+        return max(self.compute_s, self.fsdp_s) + self.tp_s
+
+    @property
+    def seconds_per_token(self) -> float:
+        return self.step_s / self.tokens
+
+
+def tensor_parallel_degrees(*, model: ModelConfig, train: TrainConfig, hardware: HardwareConfig) -> list[int]:
+    """1, and the powers of two that divide the GPUs per node and split the model: its spec's plan says what
+    must divide (heads, widths, the sequence)."""
+    plan = model_spec(model.name).tensor_parallel_plan(model)
+    if hardware.accelerator == "cpu" or plan is None:
+        return [1]
+    degrees, t = [1], 2
+    while t <= hardware.gpus_per_node:
+        if hardware.gpus_per_node % t == 0 and not plan.check(model, t, train.seq_len):
+            degrees.append(t)
+        t *= 2
+    return degrees
+
+
+def estimate_tensor_parallel(
+    *, model: ModelConfig, train: TrainConfig, parallel: ParallelConfig, hardware: HardwareConfig,
+    finetune: FinetuneConfig, checkpoint: CheckpointConfig, degree: int, base_micro_batch: int,
+) -> TensorParallelEstimate | None:  # fmt: skip
+    """The cheapest plan with `degree` at train's sequence length; None when no micro-batch fits.
+
+    A group of `degree` GPUs starts from `base_micro_batch` sequences per GPU, so its micro-batch (and
+    the global batch) matches FSDP alone's until the memory runs out. Compute is 6 P FLOPs a token at
+    MFU, a third more with full recomputation.
+    """
+    hw, s = hardware, model_shape(model)
+    world, precision = hw.gpus_per_node * hw.num_nodes, parallel.mixed_precision
+    trial = replace(parallel, tensor_parallel=degree)
+    for i in range(12):
+        micro = base_micro_batch * degree // 2**i
+        if micro < 1:
+            return None
+        batch = replace(train, micro_batch_size=micro, global_batch_size=micro * world // degree)
+        choice = cheapest(model=model, train=batch, parallel=trial, hardware=hw, finetune=finetune,
+                          checkpoint=checkpoint)  # fmt: skip
+        if choice:
+            break
+    else:
+        return None
+    ac, sharding, offload = choice
+    tokens = micro * train.seq_len  # per group and step
+    compute = 6 * s.P * tokens / degree / (MFU * peak_flops(hw)) * (4 / 3 if ac == "full" else 1)
+    sent = communication_bytes(s, sharding, precision, hw.gpus_per_node, hw.num_nodes, False, parallel.float8,
+                               tensor_parallel=degree)  # fmt: skip
+    tp = link_seconds({"intra": tensor_parallel_bytes(s, precision, ac, degree, tokens), "inter": 0.0}, hw)
+    return TensorParallelEstimate(
+        degree, micro, ac, sharding, offload, compute, link_seconds(sent, hw), tp, tokens * world // degree
+    )
+
+
+def recommend_tensor_parallel(
+    *, model: ModelConfig, train: TrainConfig, parallel: ParallelConfig, hardware: HardwareConfig,
+    finetune: FinetuneConfig, checkpoint: CheckpointConfig, base_micro_batch: int,
+) -> int:  # fmt: skip
+    """The tensor-parallel degree with the cheapest estimated plan: without CPU offload if any fits, then the
+    fewest seconds per token; 1 unless a larger degree is strictly better.
+
+    Tensor parallelism divides what FSDP moves between nodes (each rank gathers 1/t of the parameters)
+    and the activations of one sequence, and adds collectives on the link inside a node that compute
+    waits for: it wins where FSDP alone needs offload, or its communication cannot hide behind compute.
+    """
+    args = dict(model=model, train=train, parallel=parallel, hardware=hardware, finetune=finetune,
+                checkpoint=checkpoint)  # fmt: skip
+    best, key = 1, None
+    for degree in tensor_parallel_degrees(model=model, train=train, hardware=hardware):
+        found = estimate_tensor_parallel(**args, degree=degree, base_micro_batch=base_micro_batch)
+        if found is not None and (key is None or (found.cpu_offload, found.seconds_per_token) < key):
+            best, key = degree, (found.cpu_offload, found.seconds_per_token)
+    return best

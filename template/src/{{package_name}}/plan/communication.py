@@ -1,0 +1,114 @@
+"""What a step sends and how long that takes against its compute. Memory decides what fits;
+communication decides, among the plans that fit, which is fast: FSDP's collectives overlap with
+compute only while they take less time than it, and tensor parallelism's do not overlap at all.
+hooks/plan.jinja's communication and tp_communication compute the same bytes at question time."""
+
+from __future__ import annotations
+
+from ..config import FinetuneConfig, HardwareConfig, ParallelConfig, TrainConfig
+from ..models import ModelShape
+from ..presets import GPU_ARCHS, LINK_GBPS, LORA, PEAK_TFLOPS
+from .memory import adapter_params, block_gather_bytes, lora_of
+
+# Peak TFLOP/s by generation (its flagship device's), for the compute side of the estimates; XPU and CPU
+# plans assume an A100.
+ARCH_TFLOPS = {arch: PEAK_TFLOPS[spec["flagship"]] for arch, spec in GPU_ARCHS.items()}
+MFU = 0.4
+"""The model FLOPs utilisation the estimates assume: what a well-tuned FSDP run reaches."""
+
+
+def communication_bytes(
+    s: ModelShape, sharding: str, precision: str, gpus_per_node: int, num_nodes: int, zero_optimizer: bool = False,
+    float8: str = "none", lora_rank: int = 0, lora_targets: str = LORA["targets"], tensor_parallel: int = 1,
+) -> dict:  # fmt: skip
+    """Bytes each rank sends per optimizer step, within a node ("intra") and across nodes ("inter"), as
+    ring collectives send (N - 1) / N of the data over a group of N.
+
+    With G the gathered bytes of every block and the rest (block_gather_bytes), W = 4 bytes a trained
+    parameter: full and hybrid all-gather twice (forward and backward) and reduce-scatter the fp32
+    gradients once, 2G + W P; shard_grad_op gathers once, G + W P; DDP all-reduces the fp32 gradients,
+    2 W P (twice a reduce-scatter), and with the ZeRO optimizer also broadcasts the parameters each rank
+    updated, 3 W P. Hybrid adds the all-reduce of each node's shard across the nodes,
+    2 W P / gpus_per_node. With LoRA only the adapters have gradients and updates; the frozen weights
+    are still gathered. With tensor parallelism each rank moves its group's 1/t among the data-parallel
+    ranks.
+    """
+    p, t = (4 if precision == "fp32" else 2), tensor_parallel
+    world = gpus_per_node * num_nodes
+    adapters = adapter_params(s, lora_rank, lora_targets)
+    trained = s.L * adapters if lora_rank else s.P
+    gather = (s.L * block_gather_bytes(s, p, sharding, float8, adapters) + s.Pn * p) / t  # one all-gather of everything
+    if sharding == "no_shard":
+        volume, group = (3 if zero_optimizer else 2) * trained * 4, world
+    elif sharding == "shard_grad_op":
+        volume, group = gather + trained * 4 / t, world // t
+    else:
+        volume, group = 2 * gather + trained * 4 / t, (gpus_per_node if sharding == "hybrid" else world) // t
+    sent = volume * (group - 1) / group
+    if sharding == "hybrid":  # plus the all-reduce of each shard across the nodes
+        return {"intra": sent, "inter": 2 * (trained / gpus_per_node) * 4 * (num_nodes - 1) / num_nodes}
+    return {"intra": sent if num_nodes == 1 else 0.0, "inter": sent if num_nodes > 1 else 0.0}
+
+
+def tensor_parallel_bytes(s: ModelShape, precision: str, ac: str, tensor_parallel: int, tokens: int) -> float:
+    """Bytes each rank sends per step for tensor parallelism, on the link inside its node (ring
+    collectives): tokens p (h (c L + 4) + V) (t - 1) / t, for `tokens` what one tensor-parallel group
+    processes per step.
+
+    In each block, forward all-gathers the sequence before attention and before the feed-forward and
+    reduce-scatters after wo and w2: four collectives of the hidden states, which backward mirrors
+    (c = 8; 12 when activation checkpointing runs the forward again). Around the blocks the embedding's
+    reduce-scatter, the head's all-gather and their backward move the hidden states 4 times more, and
+    the head all-gathers the logits (V). Without sequence parallelism one all-reduce (twice the bytes)
+    takes the place of each all-gather and reduce-scatter pair: the same traffic.
+    """
+    p, t = (4 if precision == "fp32" else 2), tensor_parallel
+    per_block = 8 if ac == "none" else 12
+    return tokens * p * (s.h * (per_block * s.L + 4) + s.V) * (t - 1) / t
+
+
+def link_seconds(sent: dict, hardware: HardwareConfig) -> float:
+    """Seconds to send communication_bytes' figures over the planned links."""
+    intra, inter = LINK_GBPS[hardware.intra_node_link] * 1e9, LINK_GBPS[hardware.inter_node_link] * 1e9
+    return sent["intra"] / intra + sent["inter"] / inter
+
+
+def peak_flops(hardware: HardwareConfig) -> float:
+    """FLOP/s of one GPU of the planned generation (an A100's where there is none to name)."""
+    return ARCH_TFLOPS.get(hardware.gpu_arch, ARCH_TFLOPS["ampere"]) * 1e12
+
+
+def step_seconds(
+    s: ModelShape, *, train: TrainConfig, parallel: ParallelConfig, hardware: HardwareConfig,
+    finetune: FinetuneConfig, sharding: str, zero_optimizer: bool = False,
+) -> tuple[float, float]:  # fmt: skip
+    """(compute, communication) seconds per step at MFU and the planned link speeds: whether FSDP's
+    traffic can hide behind compute is their ratio.
+
+    6 FLOPs per parameter and token (forward, input and weight gradients); a frozen weight has no weight
+    gradient, so with LoRA 4 per frozen parameter and 6 per adapter parameter. Communication is FSDP's or
+    DDP's (communication_bytes), which overlaps with compute; tensor parallelism's, which does not, is
+    tensor_parallel_seconds.
+    """
+    hw, lora = hardware, lora_of(finetune=finetune)
+    world = hw.gpus_per_node * hw.num_nodes
+    tokens_per_rank = train.global_batch_size * train.seq_len / world
+    adapters = s.L * adapter_params(s, **lora)
+    flops = 4 * s.P + 6 * adapters if lora["lora_rank"] else 6 * s.P
+    compute = flops * tokens_per_rank / (MFU * peak_flops(hw))
+    sent = communication_bytes(
+        s, sharding, parallel.mixed_precision, hw.gpus_per_node, hw.num_nodes, zero_optimizer, parallel.float8,
+        **lora, tensor_parallel=parallel.tensor_parallel,
+    )  # fmt: skip
+    return compute, link_seconds(sent, hw)
+
+
+def tensor_parallel_seconds(
+    s: ModelShape, *, train: TrainConfig, parallel: ParallelConfig, hardware: HardwareConfig
+) -> float:
+    """Seconds per step that tensor parallelism's collectives take on the link inside a node, which compute
+    waits for."""
+    t = parallel.tensor_parallel
+    tokens = train.global_batch_size * train.seq_len * t // (hardware.gpus_per_node * hardware.num_nodes)
+    sent = tensor_parallel_bytes(s, parallel.mixed_precision, parallel.activation_checkpointing, t, tokens)
+    return sent / (LINK_GBPS[hardware.intra_node_link] * 1e9)

@@ -1,0 +1,191 @@
+"""Device memory per rank at the peak of a step. The trainer checks the plan against the live device
+before it allocates anything, and the planner compares choices with it, so every term is a
+formula of the config, not a measurement; tests/test_plan.py measures them on CPU ranks, and the
+template's hooks/plan.jinja (memory_plan) computes the same at question time."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from ..config import FinetuneConfig, HardwareConfig, ParallelConfig, TrainConfig
+from ..models import ModelConfig, ModelShape, model_shape, model_spec
+from ..presets import HEADROOM, LORA
+
+GIB = 2**30
+SHARDINGS = ("no_shard", "shard_grad_op", "full", "hybrid")
+AC_MODES = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes per rank, by term (memory_plan says how each is counted)."""
+
+    params: float
+    grads: float
+    optim: float
+    grads_live: float
+    """Gradient bytes alive during the forward pass (accumulation only)."""
+    gathered: float
+    gradbuf: float
+    activations: float
+    host: float
+    """Bytes kept in host memory by CPU offload."""
+
+    @property
+    def total(self) -> float:
+        """Peak bytes on the device: offloaded state is on the host, so it does not count here."""
+        resident = 0 if self.host else self.params + self.optim
+        return resident + self.grads_live + self.gathered + self.gradbuf + self.activations
+
+    def fits(self, gpu_memory_gb: float) -> bool:
+        """HEADROOM leaves the rest to what `max_memory_allocated` does not see: the CUDA context, NCCL's
+        buffers, the allocator's fragmentation."""
+        return self.total <= HEADROOM * gpu_memory_gb * GIB
+
+
+def shard_group(sharding: str, gpus_per_node: int, num_nodes: int, tensor_parallel: int = 1) -> int:
+    """Data-parallel ranks (tensor-parallel groups) that share one copy of the model state: hybrid
+    replicates it per node, DDP on every rank."""
+    per_node = gpus_per_node // tensor_parallel
+    return {"hybrid": per_node, "no_shard": 1}.get(sharding, per_node * num_nodes)
+
+
+def memory_plan(
+    s: ModelShape, *, seq_len: int, micro_batch_size: int, precision: str, ac: str, sharding: str,
+    cpu_offload: bool, gpus_per_node: int, num_nodes: int, grad_accum: int = 1, sync_every_microbatch: bool = False,
+    zero_optimizer: bool = False, prefetch_blocks: int = 0, float8: str = "none", lora_rank: int = 0,
+    lora_targets: str = LORA["targets"], tensor_parallel: int = 1, sequence_parallel: bool = True,
+) -> MemoryPlan:  # fmt: skip
+    """Bytes per rank of each term, for the model's shape `s` (P parameters, Pb per block, Pn outside the
+    blocks, L blocks, vocabulary V), p bytes per element of the compute dtype, G = shard_group ranks
+    sharing the state, t = tensor_parallel and T = micro_batch_size x seq_len tokens (a ViT's: its
+    patches):
+
+        params, grads, optim  4P, 4P and 8P over G t: fp32 parameters (FSDP2 keeps the sharded ones in
+                    their own dtype: these are the master weights), gradients and AdamW's two moments;
+                    on the host with CPU offload. DDP's ZeRO optimizer splits only the 8P, over every
+                    rank (it hands out whole parameters, so a rank may own a little more).
+        gathered    parameters all-gathered in the compute dtype: the running and the prefetched block
+                    and the embedding/head group, 2 Pb p + Pn p ((1 + n) Pb p with prefetch_blocks = n
+                    >= 2), for full and hybrid; P p for shard_grad_op, which frees nothing until
+                    backward; P p for DDP under autocast (0 in fp32). Over t.
+        gradbuf     Pb (p + 4) / t: one block's unsharded gradient and its fp32 reduce-scatter input.
+        activations T [L a + V (p + 12)] + T a_none under full recomputation (the block recomputed in
+                    backward), where a = activation_bytes_per_token and V (p + 12) is the logits, their
+                    fp32 copy, the log-softmax output and its gradient (whole on every rank: no loss
+                    parallelism).
+        grads_live  the gradients alive during the forward pass: none with one micro-batch a step
+                    (zero_grad(set_to_none) frees them first); with accumulation the sharded 4P / G t,
+                    or 4P / t where FSDP keeps unsharded fp32 gradients until the last micro-batch.
+
+    With LoRA (lora_rank r > 0) the P weights are frozen and A = L Ab adapter parameters train
+    (Ab = adapter_params): params (p P + 4A) / G t, since frozen weights are stored in the compute
+    dtype without a master copy, grads 4A / G t, optim 8A / G t; gathered and gradbuf count Pb + Ab
+    parameters a block and only Ab gradients. float8 tensorwise gathers one byte per linear weight
+    (block_gather_bytes). MemoryPlan.total is the peak.
+    """
+    p, t = (4 if precision == "fp32" else 2), tensor_parallel
+    adapters = adapter_params(s, lora_rank, lora_targets)  # per block
+    trained, trained_block = (s.L * adapters, adapters) if lora_rank else (s.P, s.Pb)
+    block = block_gather_bytes(s, p, sharding, float8, adapters) / t
+    group = shard_group(sharding, gpus_per_node, num_nodes, t)
+    # LoRA stores the frozen weights in the compute dtype (models/lora.py's apply_lora).
+    stored = p * s.P + 4 * s.L * adapters if lora_rank else 4 * s.P
+    params, grads, optim = stored / (group * t), 4 * trained / (group * t), 8 * trained / (group * t)
+    if sharding == "no_shard" and zero_optimizer:
+        optim = 8 * trained / (gpus_per_node * num_nodes)
+    if grad_accum == 1 or (cpu_offload and (sync_every_microbatch or sharding == "hybrid")):
+        grads_live = 0
+    elif sharding in ("no_shard", "hybrid") or sync_every_microbatch:
+        grads_live = grads
+    else:
+        grads_live = 4 * trained / t  # FSDP accumulates unsharded fp32 gradients while sync is off
+    if sharding == "shard_grad_op":
+        gathered = s.L * block + s.Pn * p / t
+    elif sharding == "no_shard":
+        gathered = trained * p / t if p < 4 else 0  # autocast's copies of the fp32 parameters
+    else:
+        gathered = (1 + max(prefetch_blocks, 1)) * block + s.Pn * p / t
+    gradbuf = 0 if sharding == "no_shard" else trained_block * (p + 4) / t
+    per_layer = functools.partial(activation_bytes_per_token, s, precision, lora_rank=lora_rank,
+                                  lora_targets=lora_targets, tensor_parallel=t,
+                                  sequence_parallel=sequence_parallel)  # fmt: skip
+    tokens = (s.tokens or seq_len) * micro_batch_size
+    logits = (s.logits or seq_len) * micro_batch_size
+    extra = per_layer("none") if ac == "full" else 0  # the one block being recomputed in backward
+    activations = tokens * (s.L * per_layer(ac) + extra) + logits * s.V * (p + 12)
+    host = params + grads + optim if cpu_offload else 0
+    return MemoryPlan(params, grads, optim, grads_live, gathered, gradbuf, activations, host)
+
+
+def block_gather_bytes(s: ModelShape, p: int, sharding: str, float8: str, adapters: int = 0) -> float:
+    """Bytes of one all-gathered block with its `adapters` LoRA parameters: (Pb + Ab) p, or with float8
+    tensorwise one byte per linear weight, since FSDP then gathers them in float8 (the norms and biases
+    stay in the compute dtype)."""
+    if float8 == "tensorwise" and sharding != "no_shard":
+        return s.linear_params + (s.Pb - s.linear_params) * p
+    return (s.Pb + adapters) * p
+
+
+def adapter_params(s: ModelShape, lora_rank: int, lora_targets: str) -> int:
+    """Ab, LoRA's parameters per block: r (in + out) per adapted linear layer, so that the planner counts
+    exactly what models/lora.py adds (ModelShape.adapter_params reads the block's layers); 0 for rank 0."""
+    return s.adapter_params(lora_rank, lora_targets)
+
+
+def activation_bytes_per_token(
+    s: ModelShape, precision: str, ac: str, lora_rank: int = 0, lora_targets: str = LORA["targets"],
+    tensor_parallel: int = 1, sequence_parallel: bool = True,
+) -> float:  # fmt: skip
+    """a, the bytes one block keeps for backward per token. Only the model knows what its blocks keep,
+    so the formula is its shape's `activation_bytes` (models/llama/shape.py's blocks, models/hf_causal_lm/shape.py's
+    transformers layers); tests/test_plan.py measures it for every model in the registry."""
+    return s.activation_bytes(
+        4 if precision == "fp32" else 2, ac, lora_rank=lora_rank, lora_targets=lora_targets,
+        tensor_parallel=tensor_parallel, sequence_parallel=sequence_parallel,
+    )  # fmt: skip
+
+
+def grad_accum(*, train: TrainConfig, parallel: ParallelConfig, hardware: HardwareConfig) -> int:
+    """Micro-batches per step on the planned world size, which decide whether gradients live through the
+    forward pass (1 when the batch does not split)."""
+    dp = hardware.gpus_per_node * hardware.num_nodes // parallel.tensor_parallel
+    return max(train.global_batch_size // (train.micro_batch_size * dp), 1)
+
+
+def lora_of(*, finetune: FinetuneConfig, method: str | None = None) -> dict:
+    """memory_plan's LoRA arguments for `finetune`, or for finetune.method = `method` (to compare with full
+    fine-tuning): rank 0 is full fine-tuning."""
+    lora = (method or finetune.method) == "lora"
+    return {"lora_rank": finetune.lora_rank if lora else 0, "lora_targets": finetune.lora_targets}
+
+
+def sequence_parallel(*, model: ModelConfig, parallel: ParallelConfig) -> bool:
+    """Whether tensor parallelism splits the activations between the blocks by sequence: the model's plan
+    says so (the built-in decoder's does, transformers' plans do not), and the activations differ."""
+    if parallel.tensor_parallel == 1:
+        return True  # nothing is split: the formulas agree either way
+    plan = model_spec(model.name).tensor_parallel_plan(model)
+    return plan is None or plan.sequence_parallel
+
+
+def plan_for(
+    *, model: ModelConfig, train: TrainConfig, parallel: ParallelConfig, hardware: HardwareConfig,
+    finetune: FinetuneConfig, sharding: str | None = None, cpu_offload: bool | None = None, ac: str | None = None,
+    zero_optimizer: bool | None = None, method: str | None = None,
+) -> MemoryPlan:  # fmt: skip
+    """The memory plan of these settings on the planned hardware; the keywords after `finetune` replace one
+    choice, so the planner and the table can price the alternatives."""
+    p = parallel
+    return memory_plan(
+        model_shape(model), seq_len=train.seq_len, micro_batch_size=train.micro_batch_size,
+        precision=p.mixed_precision, ac=ac or p.activation_checkpointing, sharding=sharding or p.sharding,
+        cpu_offload=p.cpu_offload if cpu_offload is None else cpu_offload,
+        gpus_per_node=hardware.gpus_per_node, num_nodes=hardware.num_nodes,
+        grad_accum=grad_accum(train=train, parallel=p, hardware=hardware),
+        sync_every_microbatch=p.grad_sync_every_microbatch,
+        zero_optimizer=p.zero_optimizer if zero_optimizer is None else zero_optimizer,
+        prefetch_blocks=p.prefetch_blocks, float8=p.float8, **lora_of(finetune=finetune, method=method),
+        tensor_parallel=p.tensor_parallel, sequence_parallel=sequence_parallel(model=model, parallel=p),
+    )  # fmt: skip
