@@ -124,7 +124,8 @@ def run_ranks(world_size: int, fn: Callable, *args, log_dir: Path, timeout: floa
     ranks = start_ranks(world_size, fn, *args, log_dir=log_dir, **options)
     codes, output = ranks.wait(timeout)
     if any(codes) or len(ranks.returned) < world_size:
-        raise AssertionError(f"{getattr(fn, '__name__', fn)} on {world_size} ranks: exit codes {codes}\n{output[-12000:]}")
+        name = getattr(fn, "__name__", fn)
+        raise AssertionError(f"{name} on {world_size} ranks: exit codes {codes}\n{output[-12000:]}")
     return [ranks.returned[rank] for rank in range(world_size)]
 
 

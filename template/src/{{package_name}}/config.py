@@ -102,7 +102,10 @@ class TrainConfig:
     def errors(self) -> list[str]:
         return failed(
             (self.steps > 0, f"train.steps={self.steps} must be positive"),
-            (0 <= self.warmup_steps < self.steps, f"train.warmup_steps={self.warmup_steps} must be in [0, train.steps)"),
+            (
+                0 <= self.warmup_steps < self.steps,
+                f"train.warmup_steps={self.warmup_steps} must be in [0, train.steps)",
+            ),
             (self.lr > 0, f"train.lr={self.lr} must be positive"),
             (self.micro_batch_size > 0, f"train.micro_batch_size={self.micro_batch_size} must be positive"),
             (
@@ -171,8 +174,8 @@ class ParallelConfig:
             ),
             (
                 self.float8 == "none" or self.mixed_precision == "bf16",
-                f"parallel.float8={self.float8} computes in float8 with bf16 outputs: set parallel.mixed_precision=bf16 "
-                f"(not {self.mixed_precision}), or parallel.float8=none",
+                f"parallel.float8={self.float8} computes in float8 with bf16 outputs: set "
+                f"parallel.mixed_precision=bf16 (not {self.mixed_precision}), or parallel.float8=none",
             ),
             (
                 not (self.zero_optimizer and sharded),
@@ -276,7 +279,8 @@ class DataConfig:
             (self.workers >= 0, f"data.workers={self.workers} must be 0 (a thread builds the batches) or more"),
             (
                 self.prefetch >= least_prefetch,
-                f"data.prefetch={self.prefetch} must be at least {least_prefetch}" + (per_worker if self.workers else ""),
+                f"data.prefetch={self.prefetch} must be at least {least_prefetch}"
+                + (per_worker if self.workers else ""),
             ),
         )
 
@@ -302,7 +306,10 @@ class EvalConfig:
         return failed(
             (self.interval >= 0, f"eval.interval={self.interval} must be 0 (no validation) or a number of steps"),
             (self.batches >= 1, f"eval.batches={self.batches} must be at least 1"),
-            (0 <= self.fraction < 1, f"eval.fraction={self.fraction} must be in [0, 1): the share of data.path held out"),
+            (
+                0 <= self.fraction < 1,
+                f"eval.fraction={self.fraction} must be in [0, 1): the share of data.path held out",
+            ),
         )
 
 

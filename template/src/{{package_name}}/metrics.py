@@ -76,9 +76,7 @@ class MetricsLogger:
         self.tokens_per_step, self.world_size = tokens_per_step, world_size
         self.flops_per_token, self.peak_tflops = flops_per_token, peak_tflops
         self.file = (run_dir / "metrics.jsonl").open("a") if enabled else None
-        self.bar = tqdm(
-            total=steps, initial=start_step, disable=not (enabled and m.progress_bar), unit="step"
-        )
+        self.bar = tqdm(total=steps, initial=start_step, disable=not (enabled and m.progress_bar), unit="step")
         self.last_time, self.last_step, self.data_seconds = time.perf_counter(), start_step, 0.0
         self.sink = _sink(m, run_dir, run_config) if enabled else None
         self.profiler = _Profiler(m.profile_steps, run_dir / "profile", rank, device, start_step)

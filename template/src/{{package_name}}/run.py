@@ -177,4 +177,3 @@ def build_optimizer(model: nn.Module, *, train: TrainConfig, strategy: Strategy)
         return train.min_lr_ratio + (1 - train.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
 
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
-

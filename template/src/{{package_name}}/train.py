@@ -69,8 +69,8 @@ def job(cfg: Config, *, faults: FaultHook | None = None) -> None:
             return
         step = train_loop(run, step)
         if step == cfg.train.steps and cfg.checkpoint.export != "none":
-            export_weights(run.model, spec=run.spec, model_cfg=cfg.model, checkpoint=cfg.checkpoint,
-                           finetune=cfg.finetune, out=Path(cfg.run_dir) / "export", is_main=run.env.is_main)  # fmt: skip
+            export = {"spec": run.spec, "model_cfg": cfg.model, "checkpoint": cfg.checkpoint, "finetune": cfg.finetune}
+            export_weights(run.model, **export, out=Path(cfg.run_dir) / "export", is_main=run.env.is_main)
         run.checkpoints.close()
         any_rank(False, run.env.device)  # no rank tears down while another is still communicating
     finally:
