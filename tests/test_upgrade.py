@@ -84,6 +84,10 @@ def test_a_release_0_1_0_repo_updates_keeps_its_edits_and_resumes_its_checkpoint
     (project / "NOTES.md").write_text("my notes\n")
     data = project / "src" / "fsdp_train" / "data.py"
     data.write_text(data.read_text() + "\n# the user's edit of data.py\n")
+    # ... and one in a part of train.py that stayed where it was (refuse): a three-way merge keeps it.
+    train_py = project / "src" / "fsdp_train" / "train.py"
+    refusal = "    if not reports_errors():\n"
+    train_py.write_text(train_py.read_text().replace(refusal, "    # the user's comment in refuse\n" + refusal, 1))
     git(project, "add", "-A")
     git(project, "commit", "-qm", "user edits")
     with warnings.catch_warnings():
@@ -96,6 +100,8 @@ def test_a_release_0_1_0_repo_updates_keeps_its_edits_and_resumes_its_checkpoint
     # module; the edit stays in git history.
     assert not data.exists() and (project / "src" / "fsdp_train" / "data" / "loader.py").is_file()
     assert "# the user's edit of data.py" in git(project, "show", "HEAD:src/fsdp_train/data.py")
+    assert "    # the user's comment in refuse\n    if not reports_errors():" in train_py.read_text()
+    assert "<<<<<<<" not in train_py.read_text() and (project / "src" / "fsdp_train" / "run.py").is_file()
     # The updated code resumes 0.1.0's step-4 checkpoint and trains steps 5 to 8 exactly as 0.1.0 did.
     resumed = tmp_path / "resumed"
     shutil.copytree(tmp_path / "old" / "checkpoints" / "step_00000004", resumed / "checkpoints" / "step_00000004")
