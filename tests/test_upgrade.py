@@ -19,7 +19,7 @@ import copier
 import pytest
 from conftest import TEMPLATE, git
 
-RELEASE = "51adfe6d1c86ff8a13b3f42f611e28b2c7e8dd5d"
+RELEASE = "51adfe6c9dc25fa09cf34dee844b5e473031bf32"
 """The commit release 0.1.0's renders were made from."""
 ANSWERS = {"accelerator": "cpu", "model_size": "debug"}
 RUN = ["--device", "cpu", "--train.steps", "8", "--checkpoint.interval", "4", "--metrics.progress_bar", "False",
