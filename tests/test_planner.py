@@ -585,7 +585,7 @@ def test_generated_python_reads_presets_and_defaults_from_the_rendered_table(pla
     for kind in ("xpu", "cpu"):
         assert presets.DEFAULT_PRECISION[kind] == hook("presets", "default_precision", kind, "")
     assert plan.ARCH_TFLOPS["hopper"] == presets.PEAK_TFLOPS["H100"] == 989.0  # a generation's flagship
-    # The defaults of config.py and of the models' hyperparameters are the debug run's, by reference: none of the
+    # The defaults of config/sections.py and of the models' hyperparameters are the debug run's, by reference: none of the
     # fields the presets set has a literal default. ViT's module is read from the template (this render has none).
     from planpkg.config import CheckpointConfig, TrainConfig
     from planpkg.models.llama import LlamaConfig
@@ -593,7 +593,7 @@ def test_generated_python_reads_presets_and_defaults_from_the_rendered_table(pla
     src = Path(plan.__file__).parents[1]
     vit = next((TEMPLATE / "template" / "src" / "{{package_name}}" / "models").glob("*vit*/model.py*"))
     classes = {}
-    for path in (src / "config.py", src / "models" / "llama" / "model.py", vit):
+    for path in (src / "config" / "sections.py", src / "models" / "llama" / "model.py", vit):
         classes |= {node.name: node for node in ast.parse(path.read_text()).body if isinstance(node, ast.ClassDef)}
     preset_fields = {
         "BlockConfig": set(hooks.LLAMA_PRESETS["debug"]),

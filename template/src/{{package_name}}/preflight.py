@@ -1,6 +1,6 @@
 """Every launch-time check, in one place: what this config needs of the world size, the devices, the files.
 
-The config has checked its own values when it was loaded (config.py). What is left depends on where
+The config has checked its own values when it was loaded (config/). What is left depends on where
 it runs: the plan against the world size and the memory of the devices and the node, the data and
 the checkpoints on disk, the weights to start from, the device and the backend. `check` runs it all
 on every rank before the process group starts, so every rank finds the same UsageError and one of

@@ -264,7 +264,7 @@ class DDP(Strategy):
         self, model: nn.Module, optimizer: torch.optim.Optimizer, loader: Loader, *, data: DataConfig, steps: int,
         start: int, log_every: int, device: torch.device,
     ) -> Pace:  # fmt: skip
-        """With per-rank data and data.uneven_inputs = "join", Join (FSDP modules are not Joinable: config.py
+        """With per-rank data and data.uneven_inputs = "join", Join (FSDP modules are not Joinable: config/
         refuses it for them); otherwise the shortest rank's steps."""
         if data.uneven_inputs != "join" or not loader.rank_sharded:
             return super().pace(model, optimizer, loader, data=data, steps=steps, start=start, log_every=log_every,

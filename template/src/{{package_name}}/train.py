@@ -45,7 +45,7 @@ logger = logging.getLogger(__name__)
 
 @record
 def main(argv: list[str] | None = None) -> None:
-    """Train as the config says: `--config FILE` and overrides (config.py), on the ranks torchrun started."""
+    """Train as the config says: `--config FILE` and overrides (config/), on the ranks torchrun started."""
     with refusals():
         cfg = load_config(argv)
         if cfg.dist.check_only:  # a launch script's check before it starts the ranks

@@ -13,9 +13,10 @@ With bf16 or fp16 compute, `apply_lora(..., frozen_dtype=)` stores the frozen we
 only the adapters need fp32 master weights.
 
 LoRA is this one module: the build calls `apply_lora` once (a no-op for finetune.method=full), and
-config.py's validation calls `lora_errors`, so the limits are checked beside the code that has them.
+the config's validation (config/tree.py) calls `lora_errors`, so the limits are checked beside the
+code that has them.
 Plain torch: nothing here imports torch.distributed (sharded tensors merge through their own
-operators) or config.py.
+operators) or config/.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ class LoraLayout:
 
 
 class LoraSettings(Protocol):
-    """The `[finetune]` settings LoRA reads: config.py's FinetuneConfig (config.py imports the models)."""
+    """The `[finetune]` settings LoRA reads: the config's FinetuneConfig (config/ imports the models)."""
 
     method: str
     lora_rank: int
@@ -135,7 +136,7 @@ def lora_errors(
     tensor_parallel: int,
 ) -> list[str]:
     """What stops finetune.method=lora with this model (its `shape` and `layout`) and these settings;
-    empty for finetune.method=full. config.py's validation reports them with the rest of the config's."""
+    empty for finetune.method=full. The config's validation reports them with the rest of the config's."""
     f = finetune
     if f.method != "lora":
         return []

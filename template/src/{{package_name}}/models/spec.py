@@ -2,12 +2,12 @@
 
 Each model module defines its hyperparameters (a dataclass extending `ModelConfig`: the `[model]`
 table of a config that names it) and `SPEC = ModelSpec(...)`; models/__init__.py maps
-`model.name` to the module. From the spec, config.py types and checks `[model]` (`config`),
+`model.name` to the module. From the spec, config/ types and checks `[model]` (`config`),
 plan/ sizes memory and metrics.py counts FLOPs (`shape`: sizes and cost terms), data/ feeds `inputs`,
 weights.py maps the weights to and from Hugging Face (`hf`, a state-dict adapter), models/lora.py places adapters
 (`lora`), and parallelize.py splits the model for tensor parallelism (`tp_plan`). The nn.Module it
 builds meets the module contract in models/__init__.py. Plain Python and torch: nothing here
-imports torch.distributed, or the rest of the repo (config.py imports the models, never the other
+imports torch.distributed, or the rest of the repo (config/ imports the models, never the other
 way round).
 """
 

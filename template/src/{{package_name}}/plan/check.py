@@ -91,7 +91,7 @@ def degree_fix(
     *, model: ModelConfig, train: TrainConfig, parallel: ParallelConfig, hardware: HardwareConfig,
     finetune: FinetuneConfig, memory_gb: float,
 ) -> str:  # fmt: skip
-    """The tensor-parallel degrees that split the planned nodes and the model (config.py refuses it with
+    """The tensor-parallel degrees that split the planned nodes and the model (config/ refuses it with
     LoRA and with DDP) and fit a device of `memory_gb` (0: not checked), as the refusal offers them."""
     tp_plan = model_spec(model.name).tensor_parallel_plan(model)
     splits = tp_plan is not None and finetune.method != "lora" and parallel.sharding != "no_shard"
