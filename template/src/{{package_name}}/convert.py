@@ -20,10 +20,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from .checkpoint import CHECKPOINT_KEY, WeightsOnlyLoadPlanner, check_finetune_matches
+from .checkpoint import check_finetune_matches
 from .config import FinetuneConfig, load_config
 from .models import ModelConfig, build_model, model_spec
 from .models.lora import merge_adapters
+from .train_state import CHECKPOINT_KEY, WeightsOnlyLoadPlanner
 from .weights import ADAPTER_DIR, peft_modules, save, save_adapter
 
 

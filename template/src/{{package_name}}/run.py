@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .checkpoint import CheckpointManager, FaultHook, TrainState
+from .checkpoint import CheckpointManager, FaultHook
 from .config import Config, DistConfig, FinetuneConfig, ParallelConfig, TrainConfig
 from .data import HeldOut, Loader, build_held_out, build_loader
 from .distributed import DistEnv, build_mesh, init_process_group, rendezvous_from_env, resolve_backend, resolve_device
@@ -32,6 +32,7 @@ from .models.lora import apply_lora, lora_rank
 from .parallelize import DTYPES, parallelize
 from .step import StepContext, build_step_context
 from .strategy import Strategy, build_strategy
+from .train_state import TrainState
 from .weights import apply_initial_weights
 
 logger = logging.getLogger(__name__)

@@ -38,13 +38,14 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceSt
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from .checkpoint import checkpoint_to_resume, plain_tensors
+from .checkpoint import checkpoint_to_resume
 from .config import CheckpointConfig, FinetuneConfig, UsageError
 from .models import ModelConfig, ModelSpec, model_spec
 from .models.config_math import mismatches
 from .models.lora import ADAPTERS, LoraSettings, apply_lora, initial_adapters, merge_adapters, peft_adapter
 from .models.spec import StateDict
 from .strategy import Strategy
+from .train_state import plain_tensors
 
 logger = logging.getLogger(__name__)
 INDEX = "model.safetensors.index.json"
