@@ -54,3 +54,17 @@ def test_links_are_well_formed(rendered, name):
                 r"[A-Za-z0-9/._#-]+", parsed.path + ("#" + parsed.fragment if parsed.fragment else "")
             ), url
         assert text.count("](") == len(re.findall(r"\]\([^)\s]+\)", text)), f"{doc}: a markdown link is broken"
+
+
+@pytest.mark.parametrize("name", ["default", "xpu", "vit_base", "volta_pcie_fp16"])
+def test_the_readme_layout_names_every_module(rendered, name):
+    """The generated README's file table is the list of what exists: every module and package of src/<pkg>."""
+    root = rendered[name]
+    package = next(p for p in (root / "src").iterdir() if p.is_dir())
+    readme = (root / "README.md").read_text()
+    layout = readme.split("## Layout", 1)[1].split("\n## ", 1)[0]
+    for path in sorted(package.iterdir()):
+        if path.name.startswith("__") or path.name.endswith(".pyc"):
+            continue
+        named = f"src/{package.name}/{path.name}" + ("/" if path.is_dir() else "")
+        assert f"`{named}`" in layout, f"README.md's Layout does not name {named}"
