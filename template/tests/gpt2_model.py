@@ -18,8 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .lora import LoraLayout
-from .spec import HFLayout, Linear, ModelConfig, ModelShape, ModelSpec, StateDict
+from .spec import HFLayout, Linear, LoraLayout, ModelConfig, ModelShape, ModelSpec, StateDict
 
 
 @dataclass

@@ -4,7 +4,7 @@ Generated data is held out as random streams of its own; token files and image f
 `eval.path` or, without one, as the tail of `data.path` (`eval.fraction`), which training then
 leaves out (held_out_tail). `data prepare` holds out a random share of the rows it reads and
 writes them to val.bin, for `eval.path` (held_out_count, HeldOutRows). The batches validation
-reads are HeldOut's, which loader.build_held_out builds.
+reads are loader.HeldOut's, which loader.build_held_out builds.
 """
 
 from __future__ import annotations
@@ -12,15 +12,11 @@ from __future__ import annotations
 import itertools
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..config import DataConfig, EvalConfig, TrainConfig, UsageError
 from .order import Shuffle
-
-if TYPE_CHECKING:
-    from .loader import Loader
 
 
 def held_out_tail(eval: EvalConfig) -> float:
@@ -30,30 +26,6 @@ def held_out_tail(eval: EvalConfig) -> float:
     checkpoint later (--eval-only), never scores data the model has trained on.
     """
     return 0.0 if eval.path else eval.fraction
-
-
-class HeldOut:
-    """The validation batches: the first eval.batches global batches of the held-out data, every time.
-
-    Each is a global batch, sliced per rank and split into micro-batches like the training
-    batches, so every rank runs the same number of forward passes (FSDP's all-gathers are
-    collectives) and the set of samples does not depend on the world size. It has a loader of
-    its own: evaluating never moves the training data's position.
-    """
-
-    def __init__(self, loader: Loader, batches: int, interval: int):
-        self.loader, self.batches, self.interval = loader, batches, interval
-
-    def __iter__(self):
-        for index in range(self.batches):
-            yield self.loader.batches_at(index)
-
-    def __len__(self) -> int:
-        return self.batches
-
-    def due(self, step: int, last: int) -> bool:
-        """Evaluate after this step: every eval.interval steps and after the last."""
-        return self.interval > 0 and (step % self.interval == 0 or step == last)
 
 
 def check_held_out_tokens(*, data: DataConfig, train: TrainConfig, eval: EvalConfig) -> None:

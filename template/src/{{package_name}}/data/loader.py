@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
 from ..config import JOB_WIDE, DataConfig, EvalConfig, TrainConfig, UsageError
-from .held_out import HeldOut, check_held_out_tokens, held_out_tail
+from .held_out import check_held_out_tokens, held_out_tail
 from .order import ORDER, ORDERS
 from .sources import (
     TOKEN_FILES,
@@ -300,6 +300,30 @@ def build_loader(
     else:
         source = SyntheticTokens(m.vocab_size, t.seq_len, d.synthetic_branching, t.seed)
     return Loader(source, train=t, data=d, rank=rank, world_size=world_size, device=device)
+
+
+class HeldOut:
+    """The validation batches: the first eval.batches global batches of the held-out data, every time.
+
+    Each is a global batch, sliced per rank and split into micro-batches like the training
+    batches, so every rank runs the same number of forward passes (FSDP's all-gathers are
+    collectives) and the set of samples does not depend on the world size. It has a loader of
+    its own: evaluating never moves the training data's position.
+    """
+
+    def __init__(self, loader: Loader, batches: int, interval: int):
+        self.loader, self.batches, self.interval = loader, batches, interval
+
+    def __iter__(self):
+        for index in range(self.batches):
+            yield self.loader.batches_at(index)
+
+    def __len__(self) -> int:
+        return self.batches
+
+    def due(self, step: int, last: int) -> bool:
+        """Evaluate after this step: every eval.interval steps and after the last."""
+        return self.interval > 0 and (step % self.interval == 0 or step == last)
 
 
 def build_held_out(

@@ -23,31 +23,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-if TYPE_CHECKING:  # spec.py imports this module for LoraLayout
-    from .spec import ModelShape
+from .spec import LoraLayout, ModelShape
 
 ADAPTERS = ("lora_a", "lora_b")
 """The parameter names LoRALinear adds; everything else in an adapted model is frozen."""
 PEFT_NAMES = {"lora_a": "lora_A.weight", "lora_b": "lora_B.weight"}
 """PEFT's names for A and B, after the module's: the same shapes (r x in, out x r) and the same scale, alpha / r."""
-
-
-@dataclass(frozen=True)
-class LoraLayout:
-    """Where a block keeps its attention and feed-forward linear layers (finetune.lora_targets): a model's
-    SPEC.lora (models/spec.py)."""
-
-    attention: str
-    """Name of the block's attention submodule: its linear layers are the `attention` targets."""
-    mlp: str
-    """Name of the block's feed-forward submodule: its linear layers are the `mlp` targets."""
 
 
 class LoraSettings(Protocol):

@@ -23,7 +23,6 @@ import torch
 from torch import nn
 
 from .config_math import read_config_json
-from .lora import LoraLayout
 
 
 @dataclass
@@ -185,6 +184,17 @@ class HFLayout:
     what it computes with `config_json`'s (models/config_math.py)."""
     config_hint: str = ""
     """Another fix for a config.json that computes otherwise, appended to the refusal."""
+
+
+@dataclass(frozen=True)
+class LoraLayout:
+    """Where a block keeps its attention and feed-forward linear layers (finetune.lora_targets): a model's
+    SPEC.lora (models/spec.py)."""
+
+    attention: str
+    """Name of the block's attention submodule: its linear layers are the `attention` targets."""
+    mlp: str
+    """Name of the block's feed-forward submodule: its linear layers are the `mlp` targets."""
 
 
 @dataclass(frozen=True)

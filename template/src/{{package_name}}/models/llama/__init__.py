@@ -9,8 +9,7 @@ Every public name of those files is re-exported, so `from <package>.models.llama
 file name; the ViT, hf_causal_lm and the custom stub build on the blocks and the cost terms.
 """
 
-from ..lora import LoraLayout
-from ..spec import HFLayout, ModelSpec
+from ..spec import HFLayout, LoraLayout, ModelSpec
 from .hf import HF_NAMES, hf_config_json
 from .model import (
     DEBUG,
