@@ -58,10 +58,10 @@ class CheckpointManager:
 
     def __init__(
         self, cfg: CheckpointConfig, root: Path, rank: int, world_size: int, tensor_parallel: int = 1, *,
-        faults: FaultHook | None = None,
+        context_parallel: int = 1, faults: FaultHook | None = None,
     ):  # fmt: skip
         self.cfg, self.root, self.rank, self.world_size = cfg, root, rank, world_size
-        self.tensor_parallel, self.faults = tensor_parallel, faults
+        self.tensor_parallel, self.context_parallel, self.faults = tensor_parallel, context_parallel, faults
         # Async saves run their collectives on a gloo group of their own, off the training stream.
         self.async_group = dist.new_group(backend="gloo") if cfg.format == "dcp_async" else None
         self.pending = None  # (future, partial dir, step) of an async save in flight
@@ -155,7 +155,7 @@ class CheckpointManager:
             return
         files = {p.name: p.stat().st_size for p in partial.iterdir() if p.is_file()}
         marker = {"step": step, "world_size": self.world_size, "tensor_parallel": self.tensor_parallel,
-                  "torch": torch.__version__, "files": files}  # fmt: skip
+                  "context_parallel": self.context_parallel, "torch": torch.__version__, "files": files}  # fmt: skip
         _write_durably(partial / MARKER, json.dumps(marker, indent=1))
         self.fault("marked", step)
         # A directory at the target is damaged (_save verified it): it would block the rename, so it
@@ -200,14 +200,17 @@ class CheckpointManager:
     def load(self, state: TrainState, path: Path) -> None:
         self.fault("load", None)
         marker = json.loads((path / MARKER).read_text())
-        saved = marker["world_size"], marker.get("tensor_parallel", 1)  # markers before tensor parallelism: 1
-        state.restore_per_rank = saved == (self.world_size, self.tensor_parallel)
+        # Markers written before tensor or context parallelism existed: 1.
+        saved = marker["world_size"], marker.get("tensor_parallel", 1), marker.get("context_parallel", 1)
+        now = self.world_size, self.tensor_parallel, self.context_parallel
+        state.restore_per_rank = saved == now
         if not state.restore_per_rank:
             per_rank = "RNG states and per-rank data positions" if state.loader.rank_sharded else "RNG states"
+            cp_too = max(saved[2], now[2]) > 1
             logger.warning(
-                "checkpoint %s was saved by %d ranks (tensor parallel %d), this run has %d (tensor parallel %d): "
-                "model, optimizer, schedule and global data position reshard; per-rank %s do not and are not restored",
-                path, *saved, self.world_size, self.tensor_parallel, per_rank, extra=JOB_WIDE,
+                "checkpoint %s was saved by %s, this run has %s: model, optimizer, schedule and global data position "
+                "reshard; per-rank %s do not and are not restored",
+                path, _layout(*saved, cp_too=cp_too), _layout(*now, cp_too=cp_too), per_rank, extra=JOB_WIDE,
             )  # fmt: skip
         check_finetune_matches(path, state.model)
         state.saved_keys = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
@@ -219,6 +222,12 @@ class CheckpointManager:
         self.wait()
         if self.async_group is not None:
             dist.destroy_process_group(self.async_group)
+
+
+def _layout(world_size: int, tensor_parallel: int, context_parallel: int, *, cp_too: bool) -> str:
+    """E.g. "4 ranks (tensor parallel 2)", with the context-parallel degree where either side has one."""
+    cp = f", context parallel {context_parallel}" if cp_too else ""
+    return f"{world_size} rank{'s' * (world_size != 1)} (tensor parallel {tensor_parallel}{cp})"
 
 
 def check_resume(cfg: CheckpointConfig) -> None:

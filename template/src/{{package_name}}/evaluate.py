@@ -23,6 +23,7 @@ from torch import nn
 
 from .checkpoint import verify
 from .config import CheckpointConfig, EvalConfig, UsageError
+from .context_parallel import SequenceSplit
 from .data import IGNORE_INDEX
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -57,6 +58,7 @@ def evaluate(
     device: torch.device,
     autocast: Callable[[], AbstractContextManager] = nullcontext,
     group: dist.ProcessGroup | None = None,
+    split: SequenceSplit | None = None,
 ) -> EvalResult:
     """Score every micro-batch of `batches` (each step's list), summed over ranks; call it on every rank.
 
@@ -64,6 +66,8 @@ def evaluate(
     `autocast` is the strategy's: DDP computes in low precision under autocast, FSDP casts itself.
     `group` holds the ranks that split the batches (the strategy's dp_group; None: all ranks):
     the ranks of a tensor-parallel group score the same samples, so only one of each is summed.
+    `split` is context parallelism's (step.StepContext.sequence_split): each rank of the group scores its chunks
+    of every sequence, and the group is among the ranks whose sums add up.
     """
     started = time.perf_counter()
     was_training = model.training
@@ -74,8 +78,13 @@ def evaluate(
         with torch.no_grad():
             for micro_batches in batches:
                 for inputs, targets in micro_batches:
+                    positions = None
+                    if split is not None:
+                        inputs, targets, positions = split(inputs, targets)
                     with autocast():
-                        logits = model(inputs).flatten(0, -2).float()  # model(x): FSDP's hooks live in __call__
+                        # model(x): FSDP's hooks live in __call__
+                        out = model(inputs) if positions is None else model(inputs, positions=positions)
+                        logits = out.flatten(0, -2).float()
                     classifier, flat = targets.ndim == 1, targets.flatten()
                     totals[0] += F.cross_entropy(logits, flat, reduction="sum").double()
                     totals[1] += (logits.argmax(-1) == flat).sum()

@@ -1,11 +1,13 @@
-"""Float8, tensor parallelism, activation checkpointing, compile and FSDP, applied to a model on the meta device.
+"""Float8, tensor and context parallelism, activation checkpointing, compile and FSDP, applied to a model on
+the meta device.
 
 `parallelize` is the one place that applies them, in torchtitan's order: float8 layers, then split
-each layer over the tensor-parallel ranks, checkpoint each block, compile each block, then shard
-each block and finally the root over the data-parallel ranks. Each step only works on what the
-one before it left (FSDP shards the DTensors that TP made; compile sees the checkpoint wrappers),
-so the order is not a matter of taste. This is the only file that calls `parallelize_module` and
-`fully_shard`.
+each layer over the tensor-parallel ranks, swap attention for its context-parallel form
+(context_parallel.py), checkpoint each block, compile each block, then shard each block and finally
+the root over the data-parallel (and context-parallel) ranks. Each step only works on what the one
+before it left (FSDP shards the DTensors that TP made; the checkpoint wrappers rename the modules TP
+and CP find by path; compile sees the wrappers), so the order is not a matter of taste. This is the
+only file that calls `parallelize_module` and `fully_shard`.
 """
 
 from __future__ import annotations
@@ -32,26 +34,31 @@ from torch.distributed.tensor.parallel import (
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from .config import ParallelConfig, UsageError
+from .context_parallel import apply_cp
 from .distributed import data_parallel_mesh
-from .models.spec import TensorParallelPlan
+from .models.spec import ContextParallelPlan, TensorParallelPlan
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def parallelize(
     model: nn.Module, *, parallel: ParallelConfig, mesh: DeviceMesh | None, tp_plan: TensorParallelPlan | None,
-    adapter_rank: int = 0,
+    cp_plan: ContextParallelPlan | None = None, adapter_rank: int = 0,
 ) -> None:  # fmt: skip
-    """Make the model on the meta device what `parallel` asks for, in place: float8 -> TP -> AC -> compile -> FSDP.
+    """Make the model on the meta device what `parallel` asks for, in place: float8 -> TP -> CP -> AC -> compile
+    -> FSDP.
 
     `mesh` is distributed.build_mesh's (None for DDP, which strategy.py wraps once the weights are in);
-    `tp_plan` the model's tensor-parallel plan, used when the mesh has a "tp" dimension; `adapter_rank`
-    LoRA's rank (0: no adapters), which selective checkpointing recomputes rather than keeps.
+    `tp_plan` and `cp_plan` the model's tensor- and context-parallel plans, used when the mesh has a "tp"
+    or a "cp" dimension; `adapter_rank` LoRA's rank (0: no adapters), which selective checkpointing
+    recomputes rather than keeps.
     """
     sharded = parallel.sharding != "no_shard"
     apply_float8(model.layers, parallel.float8, fsdp=sharded)
     if mesh is not None and "tp" in mesh.mesh_dim_names:
         apply_tp(model, mesh["tp"], tp_plan)  # before the wrappers rename the blocks' modules
+    if mesh is not None and "cp" in mesh.mesh_dim_names:
+        apply_cp(model, mesh["cp"], cp_plan)  # likewise
     apply_ac(model.layers, parallel.activation_checkpointing, adapter_rank=adapter_rank)
     if parallel.compile:
         apply_compile(model.layers, parallel.compile_backend)
@@ -60,8 +67,11 @@ def parallelize(
 
 
 # Selective checkpointing keeps what is expensive to recompute (matmuls and attention) and
-# recomputes the cheap elementwise work around it (norms, activations, rotary embeddings).
+# recomputes the cheap elementwise work around it (norms, activations, rotary embeddings). With
+# context parallelism it keeps the all-to-alls' outputs too: recomputing them would repeat the
+# communication in backward.
 _SAVE_OPS = {
+    torch.ops._c10d_functional.all_to_all_single.default,
     torch.ops.aten.mm.default,
     torch.ops.aten.addmm.default,
     torch.ops.aten.bmm.default,

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from .checkpoint import check_resume, check_resume_finetune
 from .config import Config
+from .context_parallel import check_context_parallel
 from .data import check_data
 from .distributed import (
     Rendezvous,
@@ -39,13 +40,15 @@ def check(cfg: Config, rdzv: Rendezvous) -> None:
     device = resolve_device(cfg.device, rdzv.local_rank)
     p, run_dir = cfg.parallel, Path(cfg.run_dir)
     check_tensor_parallel(p.tensor_parallel, rdzv.world_size, rdzv.local_world_size)
+    check_context_parallel(p.context_parallel, p.tensor_parallel, rdzv.world_size, rdzv.local_world_size)
     check_plan(
         model=cfg.model, train=cfg.train, parallel=p, hardware=cfg.hardware, finetune=cfg.finetune,
         checkpoint=cfg.checkpoint, world_size=rdzv.world_size, device=device, local_world_size=rdzv.local_world_size,
     )  # fmt: skip
-    # A tensor-parallel group shares its batches: the data splits over the groups.
-    tp = p.tensor_parallel
-    check_data(data=cfg.data, train=cfg.train, eval=cfg.eval, rank=rdzv.rank // tp, world_size=rdzv.world_size // tp)
+    # A tensor- or context-parallel group shares its batches: the data splits over the groups.
+    group = p.tensor_parallel * p.context_parallel
+    check_data(data=cfg.data, train=cfg.train, eval=cfg.eval, rank=rdzv.rank // group,
+               world_size=rdzv.world_size // group)  # fmt: skip
     check_resume(cfg.checkpoint)
     check_resume_finetune(checkpoint=cfg.checkpoint, finetune=cfg.finetune, run_dir=run_dir)
     check_init_from(checkpoint=cfg.checkpoint, finetune=cfg.finetune, model=cfg.model,

@@ -5,8 +5,8 @@ re-assembles the sequence, and a change to it reaches them all.
     init_distributed -> build_model_meta -> build_optimizer -> loaders, checkpoints, train state
 
 build_model_meta follows DESIGN's FSDP2 rules: the model is built on the meta device, LoRA adds its
-adapters (one hook), parallelize() applies float8, tensor parallelism, activation checkpointing,
-compile and FSDP in that order, `to_empty` allocates this rank's shards only, and then every weight
+adapters (one hook), parallelize() applies float8, tensor and context parallelism, activation
+checkpointing, compile and FSDP in that order, `to_empty` allocates this rank's shards only, and then every weight
 is set: from rank 0's seeded init or pretrained files, the same at any world size, and every
 non-persistent buffer recomputed. The optimizer is built after sharding, on the sharded parameters.
 """
@@ -87,7 +87,8 @@ def build_run(cfg: Config, *, env: DistEnv | None = None, faults: FaultHook | No
         env = init_distributed(device=cfg.device, dist=cfg.dist, parallel=cfg.parallel, seed=cfg.train.seed)
     strategy = build_strategy(cfg.parallel, env.mesh, env.device)
     root = Path(cfg.run_dir) / "checkpoints"
-    checkpoints = CheckpointManager(cfg.checkpoint, root, env.rank, env.world_size, env.tensor_parallel, faults=faults)
+    checkpoints = CheckpointManager(cfg.checkpoint, root, env.rank, env.world_size, env.tensor_parallel,
+                                    context_parallel=env.context_parallel, faults=faults)  # fmt: skip
     if cfg.eval.only:
         resume = checkpoint_to_evaluate(checkpoint=cfg.checkpoint, run_dir=Path(cfg.run_dir), rank=env.rank)
     else:
@@ -101,8 +102,9 @@ def build_run(cfg: Config, *, env: DistEnv | None = None, faults: FaultHook | No
     ranks = {"rank": env.dp_rank, "world_size": env.dp_size, "device": env.device}
     loader, held_out = build_loader(**data, **ranks), build_held_out(**data, **ranks)
     step_context = build_step_context(
-        parallel=cfg.parallel, train=cfg.train, data_source=cfg.data.source, strategy=strategy, device=env.device
-    )
+        parallel=cfg.parallel, train=cfg.train, data_source=cfg.data.source, strategy=strategy, device=env.device,
+        cp_rank=env.cp_rank,
+    )  # fmt: skip
     state = TrainState(model, optimizer, scheduler, loader, env.rank, strategy)
     return Run(cfg, env, strategy, spec, model, optimizer, scheduler, loader, held_out, checkpoints, state,
                step_context, resume)  # fmt: skip
@@ -117,12 +119,12 @@ def init_distributed(*, device: str, dist: DistConfig, parallel: ParallelConfig,
     if on.type != "cpu":
         torch.accelerator.set_device_index(on.index)
     init_process_group(rdzv, on, backend, dist.init_method, dist.init_timeout_s)
-    tp = parallel.tensor_parallel
-    shard_size = parallel.hsdp_shard_size or rdzv.local_world_size // tp
-    mesh = build_mesh(parallel.sharding, on.type, rdzv.world_size, shard_size, tp)
+    tp, cp = parallel.tensor_parallel, parallel.context_parallel
+    shard_size = parallel.hsdp_shard_size or rdzv.local_world_size // (tp * cp)
+    mesh = build_mesh(parallel.sharding, on.type, rdzv.world_size, shard_size, tp, cp)
     torch.manual_seed(seed)
     logger.info("world size %d on %s, backend %s, mesh %s", rdzv.world_size, on, backend, mesh)
-    return DistEnv(rdzv.rank, rdzv.world_size, rdzv.local_world_size, on, backend, mesh, tp)
+    return DistEnv(rdzv.rank, rdzv.world_size, rdzv.local_world_size, on, backend, mesh, tp, cp)
 
 
 def build_model_meta(
@@ -135,7 +137,7 @@ def build_model_meta(
         module = spec.build(model)
     apply_lora(module, finetune=finetune, layout=spec.lora, frozen_dtype=DTYPES[parallel.mixed_precision])
     parallelize(module, parallel=parallel, mesh=env.mesh, tp_plan=spec.tensor_parallel_plan(model),
-                adapter_rank=lora_rank(finetune))  # fmt: skip
+                cp_plan=spec.cp_plan, adapter_rank=lora_rank(finetune))  # fmt: skip
     # Allocates only this rank's shards (on the host with CPU offload); the contents are garbage.
     module.to_empty(device=env.device)
     module.tie_weights()

@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .config import ParallelConfig, TrainConfig
+from .context_parallel import SequenceSplit
 from .data import IGNORE_INDEX, Batch
 from .strategy import Strategy
 
@@ -37,6 +38,8 @@ class StepContext:
     device: torch.device
     scored_targets_only: bool = False
     """Some targets are IGNORE_INDEX (data.source = "sft"): average over the step's scored targets instead."""
+    sequence_split: SequenceSplit | None = None
+    """Context parallelism: this rank's chunks of every sequence (context_parallel.py); None: whole sequences."""
 
 
 @dataclass
@@ -50,8 +53,11 @@ class StepResult:
 
 
 def build_step_context(
-    *, parallel: ParallelConfig, train: TrainConfig, data_source: str, strategy: Strategy, device: torch.device
-) -> StepContext:
+    *, parallel: ParallelConfig, train: TrainConfig, data_source: str, strategy: Strategy, device: torch.device,
+    cp_rank: int = 0,
+) -> StepContext:  # fmt: skip
+    """The step's settings; `cp_rank` is this rank's place in its context-parallel group."""
+    degree = parallel.context_parallel
     return StepContext(
         strategy=strategy,
         sync_every_microbatch=parallel.grad_sync_every_microbatch,
@@ -59,6 +65,7 @@ def build_step_context(
         max_grad_norm=train.max_grad_norm,
         device=device,
         scored_targets_only=data_source == "sft",
+        sequence_split=SequenceSplit(cp_rank, degree) if degree > 1 else None,
     )
 
 
@@ -71,6 +78,11 @@ def scaled_loss(micro_batches: list[Batch], ctx: StepContext) -> Callable[[torch
     numbers, and a mean per micro-batch or per rank would weigh a target by how few others share it:
     each micro-batch's sum is divided by the step's scored targets on all ranks (one all-reduce) and
     multiplied by the world size that the ranks' average divides by.
+
+    With context parallelism the micro-batches are this rank's chunks of its sequences (train_step splits
+    them first), and nothing changes: each rank's mean over its tokens (or sum over the step's scored
+    targets) is a share of the sequence's, which FSDP's average over the group (it shards over it too)
+    adds up. The logged loss, the mean over ranks, is then the one a single rank computes.
     """
     if not ctx.scored_targets_only:
         return lambda logits, targets: F.cross_entropy(logits, targets) / len(micro_batches)
@@ -90,12 +102,17 @@ def scaled_loss(micro_batches: list[Batch], ctx: StepContext) -> Callable[[torch
 
 def train_step(model: nn.Module, optimizer, scheduler, micro_batches: list[Batch], ctx: StepContext) -> StepResult:
     """One optimizer step over this rank's micro-batches; gradients are reduced on the last one."""
+    positions: list[torch.Tensor | None] = [None] * len(micro_batches)
+    if ctx.sequence_split is not None:  # context parallelism: this rank's chunks of every sequence
+        split = [ctx.sequence_split(inputs, targets) for inputs, targets in micro_batches]
+        micro_batches, positions = [(inputs, targets) for inputs, targets, _ in split], [p for *_, p in split]
     loss_of = scaled_loss(micro_batches, ctx)
     loss_sum = torch.zeros((), device=ctx.device)
     for i, (inputs, targets) in enumerate(micro_batches):
         sync = i == len(micro_batches) - 1 or ctx.sync_every_microbatch
         with ctx.strategy.gradient_sync(model, sync), ctx.strategy.autocast():
-            logits = model(inputs)  # model(x), never model.forward(x): FSDP hooks live in __call__
+            # model(x), never model.forward(x): FSDP hooks live in __call__
+            logits = model(inputs) if positions[i] is None else model(inputs, positions=positions[i])
             # The micro-batch losses sum to this rank's share of the global-batch mean (scaled_loss).
             loss = loss_of(logits.flatten(0, -2).float(), targets.flatten())
             (ctx.scaler.scale(loss) if ctx.scaler else loss).backward()

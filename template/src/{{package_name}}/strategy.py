@@ -31,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .config import DataConfig, ParallelConfig
 from .data import Loader, agree_on_steps
-from .distributed import any_rank, data_parallel_mesh, mean_across_ranks
+from .distributed import any_rank, batch_group, mean_across_ranks
 from .parallelize import DTYPES
 
 if TYPE_CHECKING:  # imported where ZeroDDP builds one: torch.distributed.optim scripts its optimizers on import
@@ -191,7 +191,7 @@ class Strategy(ABC):
 
     @property
     def dp_group(self) -> dist.ProcessGroup | None:
-        """The ranks that split each global batch between them (None: all of them)."""
+        """The ranks that split each global batch between them, by samples or by tokens (None: all of them)."""
         return None
 
 
@@ -200,7 +200,9 @@ class FSDP(Strategy):
     """FSDP2: parallelize.parallelize has sharded every block, then the root, over the mesh (fully_shard).
 
     With tensor parallelism the mesh has a last "tp" dimension, whose ranks split every layer and
-    read the same batches; FSDP shards over the data-parallel dimensions before it.
+    read the same batches; FSDP shards over the data-parallel dimensions before it. Context parallelism
+    adds "cp" before "tp": its ranks read the same batches too, each a part of every sequence, and FSDP
+    shards over them as well (distributed.build_mesh).
     """
 
     mesh: DeviceMesh
@@ -211,11 +213,7 @@ class FSDP(Strategy):
 
     @property
     def dp_group(self) -> dist.ProcessGroup | None:
-        if "tp" not in self.mesh.mesh_dim_names:
-            return None
-        dp_mesh = data_parallel_mesh(self.mesh, self.hybrid)
-        # HSDP's two data-parallel dimensions as one group: built (and cached) by build_mesh.
-        return dp_mesh._flatten("dp").get_group() if self.hybrid else dp_mesh.get_group()
+        return batch_group(self.mesh, self.hybrid)
 
     def apply_weights_from_rank0(self, model: nn.Module, full_state: FullState, *, strict: bool = True) -> None:
         state = full_state() if dist.get_rank() == 0 else {}

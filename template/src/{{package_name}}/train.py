@@ -152,7 +152,8 @@ def validate(run: Run, step: int, metrics: MetricsLogger | None) -> EvalResult:
     rank 0 prints the result as one JSON line and nothing is written.
     """
     strategy = run.strategy
-    result = evaluate(run.model, run.held_out, run.env.device, strategy.autocast, strategy.dp_group)
+    result = evaluate(run.model, run.held_out, run.env.device, strategy.autocast, strategy.dp_group,
+                      split=run.step_context.sequence_split)  # fmt: skip
     if metrics is not None:
         metrics.log_eval(step, result)
     elif run.env.is_main:

@@ -28,7 +28,7 @@ class TrainState(Stateful):
     The model and optimizer state come from the strategy (torch's distributed state-dict API, or
     ZeRO's per-rank shares in its layout): sharded DTensors under FSDP, so they reshard on load,
     and so does the position of global-batch data. Per-rank state (RNG, and the position of
-    per-rank data) is restored only when the world size and the tensor-parallel degree are
+    per-rank data) is restored only when the world size and the tensor- and context-parallel degrees are
     unchanged (set `restore_per_rank` before loading).
     """
 

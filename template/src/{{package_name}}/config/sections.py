@@ -89,7 +89,7 @@ class ParallelConfig:
     sharding: Sharding = "full"
     """full (ZeRO-3), shard_grad_op (ZeRO-2), hybrid (HSDP: shard in a node, replicate across), no_shard (DDP)."""
     hsdp_shard_size: int = 0
-    """Data-parallel ranks per shard group for hybrid; 0 uses one node's (LOCAL_WORLD_SIZE / tensor_parallel)."""
+    """Data-parallel ranks per shard group for hybrid; 0: one node's (LOCAL_WORLD_SIZE / tensor / context_parallel)."""
     reshard_size: int = 0
     """After forward, keep blocks gathered over groups of this many ranks (ZeRO++ hpZ); 0 follows sharding."""
     prefetch_blocks: int = 0
@@ -112,6 +112,8 @@ class ParallelConfig:
     """torchao float8 matmuls in the blocks' linear layers (sm 8.9+): one scale per tensor, or per row."""
     tensor_parallel: int = 1
     """Ranks of one node that split every layer (tensor + sequence parallelism); FSDP shards across the groups."""
+    context_parallel: int = 1
+    """Ranks of one node that split every sequence (Ulysses attention over them); FSDP shards over them too."""
 
     def errors(self) -> list[str]:
         sharded = self.sharding != "no_shard"
@@ -143,6 +145,16 @@ class ParallelConfig:
                 self.tensor_parallel <= 1 or sharded,
                 f"parallel.tensor_parallel={self.tensor_parallel} needs FSDP across the tensor-parallel groups: "
                 "sharding=no_shard (DDP) is not combined with it; choose sharding=full, shard_grad_op or hybrid",
+            ),
+            (
+                self.context_parallel >= 1,
+                f"parallel.context_parallel={self.context_parallel} must be at least 1 (1: no context parallelism)",
+            ),
+            (
+                self.context_parallel <= 1 or sharded,
+                f"parallel.context_parallel={self.context_parallel} needs FSDP, which shards the parameters over the "
+                "context-parallel ranks too: sharding=no_shard (DDP) is not combined with it; choose sharding=full, "
+                "shard_grad_op or hybrid",
             ),
         )
 

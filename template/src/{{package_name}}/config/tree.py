@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -53,8 +54,8 @@ class Config:
         return self
 
     def cross_errors(self) -> list[str]:
-        """What two sub-configs cannot be together: the model with its data, LoRA and tensor parallelism (each
-        asks the model's spec), uneven inputs with the sharding, validation with the data."""
+        """What two sub-configs cannot be together: the model with its data, LoRA, tensor and context parallelism
+        (each asks the model's spec), uneven inputs with the sharding, validation with the data."""
         m, d, p = self.model, self.data, self.parallel
         try:
             spec = model_spec(m.name)
@@ -68,6 +69,7 @@ class Config:
             errors += lora_errors(finetune=self.finetune, shape=spec.shape(m), layout=spec.lora, model_name=m.name,
                                   float8=p.float8, tensor_parallel=p.tensor_parallel)  # fmt: skip
             errors += self.tensor_parallel_errors(spec)
+            errors += self.context_parallel_errors(spec)
         errors += failed(
             (
                 d.uneven_inputs != "join" or p.sharding == "no_shard",
@@ -92,6 +94,30 @@ class Config:
             return [f"parallel.tensor_parallel={degree} cannot split model.name={self.model.name}: {spec.tp_refusal}; "
                     "set parallel.tensor_parallel=1"]  # fmt: skip
         return plan.check(self.model, degree, self.train.seq_len)
+
+    def context_parallel_errors(self, spec: ModelSpec) -> list[str]:
+        """What stops parallel.context_parallel from splitting this model's sequences (context_parallel.py; the
+        world size and the nodes are checked at launch)."""
+        degree, tp, seq_len = self.parallel.context_parallel, self.parallel.tensor_parallel, self.train.seq_len
+        if degree <= 1:
+            return []
+        if spec.cp_plan is None:
+            return [f"parallel.context_parallel={degree} cannot split model.name={self.model.name}: {spec.cp_refusal}; "
+                    "set parallel.context_parallel=1"]  # fmt: skip
+        errors = spec.cp_plan.check(self.model, degree, tp)
+        if seq_len % (2 * degree):
+            errors.append(
+                f"train.seq_len={seq_len} must be divisible by 2 x parallel.context_parallel = {2 * degree}: each rank "
+                f"holds two of {2 * degree} equal chunks of every sequence; set train.seq_len to a multiple of "
+                f"{2 * degree} (e.g. {seq_len // (2 * degree) * 2 * degree or 2 * degree})"
+            )
+        elif tp > 1 and seq_len // degree % tp:
+            errors.append(
+                f"train.seq_len={seq_len} / parallel.context_parallel={degree} = {seq_len // degree} tokens per rank "
+                f"must be divisible by parallel.tensor_parallel={tp} (sequence parallelism splits them); set "
+                f"train.seq_len to a multiple of {2 * degree * tp // math.gcd(2, tp)}"
+            )
+        return errors
 
     def eval_errors(self) -> list[str]:
         """What stops validation (eval.*) from working with this data; see data.build_held_out."""

@@ -5,7 +5,8 @@ table of a config that names it) and `SPEC = ModelSpec(...)`; models/__init__.py
 `model.name` to the module. From the spec, config/ types and checks `[model]` (`config`),
 plan/ sizes memory and metrics.py counts FLOPs (`shape`: sizes and cost terms), data/ feeds `inputs`,
 weights.py maps the weights to and from Hugging Face (`hf`, a state-dict adapter), models/lora.py places adapters
-(`lora`), and parallelize.py splits the model for tensor parallelism (`tp_plan`). The nn.Module it
+(`lora`), and parallelize.py splits the model for tensor parallelism (`tp_plan`) and its sequences for context
+parallelism (`cp_plan`). The nn.Module it
 builds meets the module contract in models/__init__.py. Plain Python and torch: nothing here
 imports torch.distributed, or the rest of the repo (config/ imports the models, never the other
 way round).
@@ -236,6 +237,26 @@ class TensorParallelPlan:
 
 
 @dataclass(frozen=True)
+class ContextParallelPlan:
+    """How context parallelism (parallel.context_parallel) splits a model's sequences: each rank of a group holds
+    two chunks of every sequence (context_parallel.py), and attention, the one part of a block that mixes
+    positions, sees them whole.
+
+    A model with a plan takes `forward(inputs, positions=None)`: `positions` (seq,) are where this rank's
+    tokens sit in their sequence, for position embeddings (the decoder's rotary table). Its attention computes
+    through a submodule of its own, `forward(q, k, v, *, causal)` on (batch, heads, seq, head_dim) tensors
+    without parameters (models/llama/model.py's AttentionCore), which context_parallel.py wraps so that it
+    runs over the whole sequence for 1/degree of the heads (DeepSpeed-Ulysses).
+    """
+
+    core: str
+    """Path (from a block of `layers`) of the attention core, e.g. "attention.core"."""
+    check: Callable[[ModelConfig, int, int], list[str]]
+    """Every reason the model cannot split its heads over `degree` ranks with tensor parallelism of
+    `tensor_parallel` (the heads each rank holds must divide by the degree)."""
+
+
+@dataclass(frozen=True)
 class ModelSpec(Generic[C]):
     """Everything outside models/ needs to know about one model family."""
 
@@ -257,6 +278,11 @@ class ModelSpec(Generic[C]):
     (None: parallel.tensor_parallel > 1 is refused, saying `tp_refusal`); read it with `tensor_parallel_plan`."""
     tp_refusal: str = "its module declares no tensor-parallel plan (SPEC.tp_plan, models/spec.py)"
     """Why the model has no tensor-parallel plan, for the refusal."""
+    cp_plan: ContextParallelPlan | None = None
+    """How context parallelism splits the model's sequences (None: parallel.context_parallel > 1 is refused,
+    saying `cp_refusal`)."""
+    cp_refusal: str = "its module declares no context-parallel plan (SPEC.cp_plan, models/spec.py)"
+    """Why the model has no context-parallel plan, for the refusal."""
 
     def tensor_parallel_plan(self, cfg: C) -> TensorParallelPlan | None:
         """The tensor-parallel plan of the model `cfg` describes (None: the model has none)."""

@@ -4,16 +4,19 @@
     shape.py  its sizes and cost terms, for the planner and the MFU figure
     hf.py     its state-dict adapter: Hugging Face names and config.json
     tp.py     its tensor-parallel plan
+    cp.py     its context-parallel plan
 
 Every public name of those files is re-exported, so `from <package>.models.llama import X` needs no
 file name; the ViT, hf_causal_lm and the custom stub build on the blocks and the cost terms.
 """
 
 from ..spec import HFLayout, LoraLayout, ModelSpec
+from .cp import CP_PLAN, decoder_cp_errors
 from .hf import HF_NAMES, hf_config_json
 from .model import (
     DEBUG,
     Attention,
+    AttentionCore,
     Block,
     BlockConfig,
     FeedForward,
@@ -29,11 +32,13 @@ from .shape import DecoderShape, block_shape, decoder_shape
 from .tp import TP_PLAN, decoder_tp_errors
 
 __all__ = [
+    "CP_PLAN",
     "DEBUG",
     "HF_NAMES",
     "SPEC",
     "TP_PLAN",
     "Attention",
+    "AttentionCore",
     "Block",
     "BlockConfig",
     "DecoderShape",
@@ -43,6 +48,7 @@ __all__ = [
     "RopeScaling",
     "apply_rope",
     "block_shape",
+    "decoder_cp_errors",
     "decoder_shape",
     "decoder_tp_errors",
     "hf_config_json",
@@ -62,4 +68,5 @@ SPEC = ModelSpec(
     ),
     lora=LoraLayout(attention="attention", mlp="feed_forward"),
     tp_plan=TP_PLAN,
+    cp_plan=CP_PLAN,
 )

@@ -149,12 +149,23 @@ def model_rope_cache(cfg: LlamaConfig, device=None) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
-    """Rotate x (batch, heads, seq, head_dim) by the cached angles of its positions."""
+    """Rotate x (batch, heads, seq, head_dim) by the cached angles of its positions: the table's first rows, or
+    the rows of the positions the model was given (Llama.forward)."""
     seq_len = x.shape[-2]
     # The cache stays float32; casting here keeps bf16 activations bf16 (FSDP does not cast buffers).
     cos, sin = cache[:seq_len, 0].to(x.dtype), cache[:seq_len, 1].to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class AttentionCore(nn.Module):
+    """Scaled dot-product attention over q, k, v (batch, heads, seq, head_dim), a module of its own so that
+    context parallelism can put attention over the whole sequence in its place (context_parallel.py swaps
+    `attention.core`). It holds no parameters: state dicts, checkpoints and exports do not change."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool) -> torch.Tensor:
+        gqa = k.shape[1] != q.shape[1]
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
 
 
 class Attention(nn.Module):
@@ -165,6 +176,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
+        self.core = AttentionCore()
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor | None = None) -> torch.Tensor:
         bsz, seq_len, _ = x.shape
@@ -175,8 +187,7 @@ class Attention(nn.Module):
         v = self.wv(x).view(bsz, seq_len, -1, self.head_dim).transpose(1, 2)
         if rope is not None:  # a decoder; the ViT encoder has learned positions instead
             q, k = apply_rope(q, rope), apply_rope(k, rope)
-        gqa = k.shape[1] != q.shape[1]
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=rope is not None, enable_gqa=gqa)
+        out = self.core(q, k, v, causal=rope is not None)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq_len, -1))
 
 
@@ -224,10 +235,14 @@ class Llama(nn.Module):
         # checkpoints, which is why init_buffers must recompute it after to_empty().
         self.register_buffer("rope", model_rope_cache(cfg), persistent=False)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of `tokens` (batch, seq); `positions` (seq,) are where in their sequence those tokens sit, when
+        they are not 0 .. seq - 1: context parallelism gives a rank two chunks of every sequence
+        (context_parallel.py), which the rotary table must turn by their own angles."""
+        rope = self.rope if positions is None else self.rope[positions]
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
-            h = layer(h, self.rope)
+            h = layer(h, rope)
         return self.output(self.norm(h))
 
     def tie_weights(self) -> None:
