@@ -167,6 +167,11 @@ PRETRAINED = ["ada_offload"]
 # checkpoints resharded and its export, which the FULL renders leave out (tests/test_tensor_parallel.py;
 # every render has it, and the preset configs of renders such as blackwell_70b set the degree).
 TENSOR_PARALLEL = ["cpu_debug"]
+# CONTEXT_PARALLEL: sequences split over 2 CPU ranks (Ulysses attention) at world size 2, 2 x FSDP 2 and
+# 2 x tensor parallel 2 against one rank's losses and gradient norms, with a loss mask, a CP 2 checkpoint
+# loaded and resumed on one rank and at world size 4, its export, and a refused launch, which the FULL
+# renders leave out (tests/test_context_parallel.py; every render has it, the llama ones run it).
+CONTEXT_PARALLEL = ["cpu_debug"]
 # HOST_MEMORY: the host-memory plan against resident memory on 2 CPU ranks of a wider model (tests/test_plan.py's
 # host_memory test, one launch), which the other SMOKE renders leave out: it forces its own model, sharding,
 # offload and checkpoint settings, so one render shows what every render would.

@@ -17,6 +17,7 @@ import pytest
 import yaml
 from answers import (
     COMPILED,
+    CONTEXT_PARALLEL,
     FAULTS,
     FLOAT8,
     FULL,
@@ -40,7 +41,8 @@ RUN_ON_CPU = {
     "checkpoint_format": {"dcp", "dcp_async"},
 }
 # The full-tier selections that one render of the matrix runs on its own (answers.py says which).
-OWN = ["faults", "strategies", "tensor_parallel", "float8", "sft", "lora", "pretrained", "compiled", "host_memory"]
+OWN = ["faults", "strategies", "tensor_parallel", "context_parallel", "float8", "sft", "lora", "pretrained", "compiled",
+       "host_memory"]  # fmt: skip
 
 
 def test_smoke_renders_cover_every_choice_that_runs_on_cpu(rendered):
@@ -173,6 +175,20 @@ def test_generated_tensor_parallel_trains_reshards_and_exports(rendered, name):
         "test_tensor_parallel.py::test_2x2_trains_to_the_golden_losses",
         "test_tensor_parallel.py::test_2x2_checkpoint_reshards_to_2x2_and_data_parallel_4",
         "test_tensor_parallel.py::test_a_group_larger_than_the_node_is_refused_at_launch",
+    )
+
+
+@pytest.mark.parametrize("name", CONTEXT_PARALLEL)
+def test_generated_context_parallel_matches_one_rank_reshards_and_exports(rendered, name):
+    run_generated(
+        rendered[name],
+        "context_parallel",
+        "test_context_parallel.py::test_context_parallel_trains_to_one_ranks_losses_and_gradient_norms",
+        "test_context_parallel.py::test_with_a_loss_mask_context_parallel_trains_and_validates_to_one_ranks_losses",
+        "test_context_parallel.py::test_lora_adapters_train_alike_with_context_parallelism",
+        "test_context_parallel.py::test_a_cp2_checkpoint_loads_and_resumes_on_one_rank_and_at_cp2_x_fsdp2",
+        "test_context_parallel.py::test_the_export_of_a_cp2_run_loads_in_transformers_with_the_same_logits",
+        "test_context_parallel.py::test_a_group_larger_than_the_node_is_refused_at_launch",
     )
 
 
