@@ -12,7 +12,11 @@
 4. Host memory for pretrained weights at world size 2: the peak a rank adds while loading
    (`checkpoint.init_from`) and exporting through DCP's Hugging Face reader and writer (each rank
    its own slices) over the same through one full copy on rank 0 (the path before them).
-5. Rendering the default project; the generated fast tier (`pytest`) of the default render and of
+5. Context parallelism at world size 2, one sequence per micro-batch (1,024 tokens of the model
+   above): the step time, and the peak a rank holds in a one-micro-batch step beyond its model
+   state (torch's MemTracker), with parallel.context_parallel = 2 (each rank holds half of every
+   sequence; Ulysses attention) over FSDP alone (each rank holds whole sequences).
+6. Rendering the default project; the generated fast tier (`pytest`) of the default render and of
    a CPU render, and the default render's smoke test, each in a fresh torch.compile cache (cold),
    in wall seconds and in the CPU seconds of every process they ran (less sensitive to other work
    on the machine). The step and checkpoint timings are each the fastest of two runs, taken in turn.
@@ -45,6 +49,9 @@ MEDIUM = ["--model.dim", "512", "--model.n_layers", "6", "--model.n_heads", "8",
           "--model.ffn_hidden_dim", "1536", "--model.vocab_size", "8192", "--model.max_seq_len", "256",
           "--train.seq_len", "256", "--train.micro_batch_size", "4"]  # fmt: skip
 QUICK_SIZE = ["--train.micro_batch_size", "4"]
+# Context parallelism: one sequence per micro-batch, long enough that what grows with it dominates a rank's memory.
+LONG = [*MEDIUM[:-6], "--model.max_seq_len", "1024", "--train.seq_len", "1024", "--train.micro_batch_size", "1"]
+QUICK_LONG = ["--train.micro_batch_size", "1"]
 # One generated test that launches nothing: the quick mode's stand-in for the timed pytest runs.
 QUICK_SELECTION = ["tests/test_fsdp_rules.py::test_train_py_structure"]
 ROWS = [
@@ -53,6 +60,8 @@ ROWS = [
     "loop blocked by an async save / by a sync save",
     "host memory a rank adds loading pretrained weights, world size 2: sharded reader / rank-0 copy",
     "host memory a rank adds exporting the weights, world size 2: sharded writer / rank-0 copy",
+    "step time at world size 2, one sequence per micro-batch: context parallel 2 / FSDP alone",
+    "peak a rank holds beyond its model state in that step: context parallel 2 / FSDP alone",
     "render the default project",
     "generated fast tier (`pytest`), default render, cold",
     "generated smoke test (`pytest tests/test_smoke.py`), default render, cold",
@@ -130,6 +139,28 @@ def state_bytes(project: Path, run: Path) -> tuple[int, int]:
 
     n_params = model_shape(load_config(["--config", str(project / "configs" / "debug.toml")]).model).P
     return report["memory"]["state_bytes"], n_params
+
+
+def context_parallel_step_seconds(project: Path, run: Path, size: list[str], steps: int, degree: int) -> float:
+    """Median step time at world size 2 with parallel.context_parallel = `degree` (4 sequences a step)."""
+    train(project, run, 2, size, "--train.steps", str(steps), "--train.warmup_steps", "1", "--checkpoint.interval",
+          "100000", "--train.global_batch_size", "4", "--parallel.context_parallel", str(degree))  # fmt: skip
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return statistics.median(r["step_time_s"] for r in records[3:])  # skip warm-up steps
+
+
+def context_parallel_held_bytes(project: Path, run: Path, size: list[str], degree: int) -> int:
+    """Bytes rank 0 holds at the peak of a one-micro-batch step beyond its parameters, gradients and AdamW
+    state, at world size 2 with parallel.context_parallel = `degree` (tests/fsdp_probe.py's MemTracker)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "fsdp_probe",
+           "--config", str(project / "configs" / "debug.toml"), "--device", "cpu", "--run_dir", str(run), *size,
+           "--train.global_batch_size", "4", "--parallel.context_parallel", str(degree)]  # fmt: skip
+    run.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(cmd, cwd=project, env=env_for(project), capture_output=True, text=True)
+    if done.returncode:
+        sys.exit(f"fsdp_probe failed ({' '.join(cmd)}):\n{done.stderr[-4000:]}")
+    memory = json.loads((run / "probe_rank0.json").read_text())["memory"]
+    return memory["tracked_peak_bytes"] - memory["state_bytes"]
 
 
 def checkpoint_blocked_seconds(project: Path, run: Path, size: list[str], steps: int, fmt: str) -> float:
@@ -256,6 +287,7 @@ def fastest(repeats: int, *measurements: Callable[[int], float]) -> list[float]:
 
 def measure(quick: bool) -> list[dict]:
     size, steps, saves, repeats = (QUICK_SIZE, 6, 2, 1) if quick else (MEDIUM, 15, 12, 2)
+    long, long_steps = (QUICK_LONG, 5) if quick else (LONG, 8)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         render_s = render(tmp / "default", {})
@@ -273,6 +305,12 @@ def measure(quick: bool) -> list[dict]:
             lambda i: checkpoint_blocked_seconds(project, tmp / f"async{i}", size, saves, "dcp_async"),
         )
         memory = weights_memory(project, tmp, size, quick)
+        split, whole = fastest(
+            repeats,
+            lambda i: context_parallel_step_seconds(project, tmp / f"cp2-{i}", long, long_steps, 2),
+            lambda i: context_parallel_step_seconds(project, tmp / f"cp1-{i}", long, long_steps, 1),
+        )
+        held = {d: context_parallel_held_bytes(project, tmp / f"cp-probe{d}", long, d) for d in (1, 2)}
         fast = pytest_seconds(tmp / "default", QUICK_SELECTION if quick else [])
         # The quick mode's selection is the same for both rows of the default render: it runs once.
         smoke = fast if quick else pytest_seconds(tmp / "default", ["tests/test_smoke.py"])
@@ -283,10 +321,12 @@ def measure(quick: bool) -> list[dict]:
         ratio_row(ROWS[2], async_, sync, f"{async_ * 1e3:.0f} ms / {sync * 1e3:.0f} ms", "< 1"),
         memory_row(ROWS[3], memory, "load"),
         memory_row(ROWS[4], memory, "export"),
-        {"name": ROWS[5], "figures": {"wall_s": render_s}, "raw": "", "goal": ""},
-        seconds_row(ROWS[6], fast, "under 2 minutes"),
-        seconds_row(ROWS[7], smoke, "under a minute"),
-        seconds_row(ROWS[8], fast_cpu, "under 2 minutes"),
+        ratio_row(ROWS[5], split, whole, f"{split * 1e3:.0f} ms / {whole * 1e3:.0f} ms", "about 1"),
+        ratio_row(ROWS[6], held[2], held[1], f"{held[2] / 2**20:.0f} MiB / {held[1] / 2**20:.0f} MiB", "about 1/2"),
+        {"name": ROWS[7], "figures": {"wall_s": render_s}, "raw": "", "goal": ""},
+        seconds_row(ROWS[8], fast, "under 2 minutes"),
+        seconds_row(ROWS[9], smoke, "under a minute"),
+        seconds_row(ROWS[10], fast_cpu, "under 2 minutes"),
     ]
 
 

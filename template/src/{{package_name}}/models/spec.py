@@ -89,14 +89,18 @@ class ModelShape:
     """The linear layers of a block: LoRA's adapters, float8's all-gathers and the largest tensor read them."""
     lookups: int = 0
     """Parameters that are read by index, not multiplied (an embedding other than a tied head): no FLOPs."""
+    kv_heads: int = 0
+    """Key/value heads of attention (0: none declared); context parallelism repeats them where its degree does not
+    divide them."""
 
     def activation_bytes(
         self, p: int, ac: str, *, lora_rank: int = 0, lora_targets: str = "all", tensor_parallel: int = 1,
-        sequence_parallel: bool = True,
+        sequence_parallel: bool = True, context_parallel: int = 1,
     ) -> float:  # fmt: skip
-        """Bytes one block keeps for backward per token: `p` bytes per element of the compute dtype,
+        """Bytes one block keeps for backward per token a rank holds: `p` bytes per element of the compute dtype,
         activation checkpointing `ac` (none, selective, full), LoRA adapters of `lora_rank` (0: none) on
-        `lora_targets`, and tensor parallelism of `tensor_parallel` ranks, with or without sequence parallelism."""
+        `lora_targets`, tensor parallelism of `tensor_parallel` ranks, with or without sequence parallelism, and
+        context parallelism of `context_parallel` ranks (each holding that share of every sequence's tokens)."""
         raise NotImplementedError(f"{type(self).__name__} declares no activation bytes: subclass ModelShape")
 
     def flops_per_token(self, seq_len: int) -> float:

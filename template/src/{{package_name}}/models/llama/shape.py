@@ -19,7 +19,7 @@ class DecoderShape(ModelShape):
 
     def activation_bytes(
         self, p: int, ac: str, *, lora_rank: int = 0, lora_targets: str = "all", tensor_parallel: int = 1,
-        sequence_parallel: bool = True,
+        sequence_parallel: bool = True, context_parallel: int = 1,
     ) -> float:  # fmt: skip
         """Bytes a block keeps for backward per token (Korthikanti et al. 2022,
         https://arxiv.org/abs/2205.05198, redone for SwiGLU and fused attention, which keeps no seq x seq
@@ -45,17 +45,28 @@ class DecoderShape(ModelShape):
         adapters: the feed-forward's two inputs; h with feed-forward-only ones: the attention's input).
         selective recomputes the adapters' matmuls, so it keeps what it keeps without them. LoRA and
         tensor parallelism are not combined (models/lora.py refuses it). tests/test_plan.py measures these.
+
+        Context parallelism over c ranks (context_parallel.py, Ulysses attention) counts per token a rank
+        holds (micro-batch x sequence / c of them): attention keeps q, k, v and its output for 1/c of the
+        heads over the whole sequence, as many bytes as all heads over a rank's tokens, so the terms stay,
+        with two changes. Key/value heads that c does not divide (per tensor-parallel rank) are repeated to
+        the query heads first, so what attention keeps of k and v is h wide (g = h, else g = kv): none
+        keeps 2g where it kept 2kv. Selective also keeps the all-to-alls' outputs (q, k, v and the attention
+        output, so that backward does not repeat the communication): p (2h + 2g) / t more.
+        tests/test_context_parallel.py measures these on CPU ranks.
         """
         h, kv, f, t = self.h, self.kv, self.f, tensor_parallel
+        g = kv if context_parallel <= 1 or self.kv_heads // t % context_parallel == 0 else h
+        exchanged = p * (2 * h + 2 * g) / t if context_parallel > 1 else 0  # the all-to-alls' outputs
         q = t if sequence_parallel else 1  # what splits the norms and the block input: the sequence, or nothing
         if ac == "none" and lora_rank:
             frozen_inputs = {"all": 0, "attention": h + f, "mlp": h}[lora_targets]
             adapted = len(self.adapted(lora_targets)) * lora_rank
-            return 8 * h + p * (5 * h + 2 * kv + 4 * f - frozen_inputs + adapted)
+            return 8 * h + p * (5 * h + 2 * g + 4 * f - frozen_inputs + adapted)
         if ac == "none":
-            return 16 * h / q + p * (2 * h + (3 * h + 2 * kv + 4 * f) / t)
+            return 16 * h / q + p * (2 * h + (3 * h + 2 * g + 4 * f) / t)
         if ac == "selective":
-            return p * (2 * h + h / q + (2 * h + 2 * kv + 2 * f) / t)
+            return p * (2 * h + h / q + (2 * h + 2 * kv + 2 * f) / t) + exchanged
         return p * h / q
 
 
@@ -72,7 +83,8 @@ def block_shape(
     block = 2 * h * h + 2 * h * kv + 3 * h * f + 2 * h
     P = block * m.n_layers + outside
     linears = (wq, wk, wv, wo, w1, w3, w2)
-    return shape(P, block, outside, m.n_layers, h, kv, f, classes, linears=linears, **per_sample)
+    return shape(P, block, outside, m.n_layers, h, kv, f, classes, linears=linears, kv_heads=m.n_kv_heads,
+                 **per_sample)  # fmt: skip
 
 
 def decoder_shape(m: LlamaConfig, shape: type[DecoderShape] = DecoderShape) -> DecoderShape:
