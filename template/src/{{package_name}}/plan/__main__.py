@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> None:
             shown, preset_argv, detected, how, notes = detect_inputs(rest, args.detected)
             cfg = load_config(shown)
             preset = load_config(preset_argv) if preset_argv else cfg  # the config of the repo's model_size
-            live = live_hardware(preset.hardware, detected)
+            live = live_hardware(planned=preset.hardware, detected=detected)
         except ValueError as error:  # a missing file or config: say which, without a traceback
             print(f"{__package__}: error: {error}", file=sys.stderr)
             raise SystemExit(EXIT_USAGE) from None
