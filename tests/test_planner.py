@@ -661,8 +661,9 @@ def test_generated_python_reads_presets_and_defaults_from_the_rendered_table(pla
     for kind in ("xpu", "cpu"):
         assert presets.DEFAULT_PRECISION[kind] == hook("presets", "default_precision", kind, "")
     assert plan.ARCH_TFLOPS["hopper"] == presets.PEAK_TFLOPS["H100"] == 989.0  # a generation's flagship
-    # The defaults of config/sections.py and of the models' hyperparameters are the debug run's, by reference: none of the
-    # fields the presets set has a literal default. ViT's module is read from the template (this render has none).
+    # The defaults of config/sections.py and of the models' hyperparameters are the debug run's, by reference:
+    # none of the fields the presets set has a literal default. ViT's module is read from the template (this
+    # render has none).
     from planpkg.config import CheckpointConfig, TrainConfig
     from planpkg.models.llama import LlamaConfig
 
