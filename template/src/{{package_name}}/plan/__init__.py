@@ -20,9 +20,11 @@ once here, in the docstring of the function that computes it:
                        adapter_params (LoRA), shard_group, grad_accum
     host.py            host_memory_plan: a node's RAM by term and its peak (HostPlan.total);
                        check_host_memory, which refuses a node without room and names what fits
-    communication.py   communication_bytes (FSDP and DDP), tensor_parallel_bytes, step_seconds
-    choice.py          cheapest / recommend (sharding, activation checkpointing, offload) and
-                       recommend_tensor_parallel (the degree, from estimate_tensor_parallel)
+    communication.py   communication_bytes (FSDP and DDP), tensor_parallel_bytes, context_parallel_bytes,
+                       step_seconds
+    choice.py          cheapest / recommend (sharding, activation checkpointing, offload),
+                       recommend_tensor_parallel (the degree, from estimate_tensor_parallel) and
+                       recommend_context_parallel (the smallest degree with which the sequence fits)
     check.py           check_plan, the launch-time check, with a fix that fits for each refusal
 
 report.py prints the table, resize.py the `--detect` advice, and __main__.py is the command line,
@@ -34,8 +36,10 @@ from .check import check_plan, device_memory_gb
 from .choice import (
     TensorParallelEstimate,
     cheapest,
+    context_parallel_degrees,
     estimate_tensor_parallel,
     recommend,
+    recommend_context_parallel,
     recommend_tensor_parallel,
     sharding_candidates,
     tensor_parallel_degrees,
@@ -43,6 +47,8 @@ from .choice import (
 from .communication import (
     ARCH_TFLOPS,
     communication_bytes,
+    context_parallel_bytes,
+    context_parallel_seconds,
     step_seconds,
     tensor_parallel_bytes,
     tensor_parallel_seconds,
@@ -81,6 +87,9 @@ __all__ = [
     "check_host_memory",
     "check_plan",
     "communication_bytes",
+    "context_parallel_bytes",
+    "context_parallel_degrees",
+    "context_parallel_seconds",
     "device_memory_gb",
     "estimate_tensor_parallel",
     "grad_accum",
@@ -90,6 +99,7 @@ __all__ = [
     "memory_plan",
     "plan_for",
     "recommend",
+    "recommend_context_parallel",
     "recommend_tensor_parallel",
     "sequence_parallel",
     "shard_group",

@@ -20,7 +20,7 @@ from ..config import (
 )
 from ..models import ModelConfig, model_spec
 from ..presets import HEADROOM
-from .choice import cheapest
+from .choice import cheapest, context_parallel_degrees
 from .host import check_host_memory
 from .memory import GIB, plan_for
 
@@ -61,18 +61,24 @@ def check_plan(
             f"{hw.gpus_per_node}). Launch the planned world size, or re-plan the repo for this machine "
             f"(`python -m {PACKAGE} --detect` prints the `copier update` command)"
         )
-    live, degree = device_memory_gb(device), parallel.tensor_parallel
+    live, degree, cp = device_memory_gb(device), parallel.tensor_parallel, parallel.context_parallel
     if hw.gpus_per_node % degree:  # the planned hardware has no plan with this degree to check
         problems.append(
             f"parallel.tensor_parallel={degree} does not split the plan's {hw.gpus_per_node} ranks per node into "
             f"groups: {degree_fix(**args, memory_gb=live or hw.gpu_memory_gb)}"
+        )
+    elif hw.gpus_per_node % (degree * cp):
+        problems.append(
+            f"parallel.context_parallel={cp}{f' x parallel.tensor_parallel={degree}' if degree > 1 else ''} does not "
+            f"split the plan's {hw.gpus_per_node} ranks per node into groups: "
+            f"{cp_degree_fix(**args, memory_gb=live or hw.gpu_memory_gb)}"
         )
     elif live is not None and not (plan := plan_for(**args)).fits(live):
         problems.append(
             f"the plan needs {plan.total / GIB:.1f} GiB per device and this {device.type} has {live:.1f} GiB "
             f"({HEADROOM:.0%} usable): {device_fix(**args, checkpoint=checkpoint, memory_gb=live)}"
         )
-    if not hw.gpus_per_node % degree:  # a degree that splits no node leaves no data-parallel rank to plan for
+    if not hw.gpus_per_node % (degree * cp):  # a group that splits no node leaves no data-parallel rank to plan for
         ranks = local_world_size or hw.gpus_per_node
         if host := check_host_memory(**args, checkpoint=checkpoint, ranks_per_node=ranks):
             problems.append(host)
@@ -108,20 +114,40 @@ def degree_fix(
     return f"choose parallel.tensor_parallel={listed(fitting)}"
 
 
+def cp_degree_fix(
+    *, model: ModelConfig, train: TrainConfig, parallel: ParallelConfig, hardware: HardwareConfig,
+    finetune: FinetuneConfig, memory_gb: float,
+) -> str:  # fmt: skip
+    """The context-parallel degrees that split the planned nodes (with the tensor-parallel degree), the model's
+    heads and the sequence, and fit a device of `memory_gb` (0: not checked), as the refusal offers them."""
+    fitting = []
+    for c in context_parallel_degrees(model=model, train=train, parallel=parallel, hardware=hardware):
+        trial = replace(parallel, context_parallel=c)
+        m = plan_for(model=model, train=train, parallel=trial, hardware=hardware, finetune=finetune)
+        if not memory_gb or m.fits(memory_gb):
+            fitting.append(str(c))
+    if not fitting:
+        return "no degree that divides it fits: plan other hardware (`copier update`)"
+    return f"choose parallel.context_parallel={listed(fitting)}"
+
+
 def device_fix(
     *, model: ModelConfig, train: TrainConfig, parallel: ParallelConfig, hardware: HardwareConfig,
     finetune: FinetuneConfig, checkpoint: CheckpointConfig, memory_gb: float,
 ) -> str:  # fmt: skip
     """The settings with which the plan fits a device of `memory_gb`: the planner's cheapest choice for it,
-    with a smaller micro-batch (the same global batch, more accumulation) or sequence where the config's
-    fits no choice. Only what differs from the config is named."""
-    live = replace(hardware, gpu_memory_gb=memory_gb)
-    smaller = [(train.micro_batch_size // 2**i, train.seq_len) for i in range(12)]
-    shorter = [(1, train.seq_len // 2**i) for i in range(1, 8)]
-    for micro, seq in dict.fromkeys(c for c in smaller + shorter if min(c) >= 1):
+    with a smaller micro-batch (the same global batch, more accumulation), then a larger context-parallel
+    degree (the sequence split over more ranks of a node), then a shorter sequence where the config's fits
+    no choice. Only what differs from the config is named."""
+    live, cp = replace(hardware, gpu_memory_gb=memory_gb), parallel.context_parallel
+    smaller = [(train.micro_batch_size // 2**i, train.seq_len, cp) for i in range(12)]
+    degrees = context_parallel_degrees(model=model, train=train, parallel=parallel, hardware=live)
+    split = [(1, train.seq_len, c) for c in degrees if c > cp]
+    shorter = [(1, train.seq_len // 2**i, cp) for i in range(1, 8) if train.seq_len // 2**i % (2 * cp) == 0 or cp == 1]
+    for micro, seq, c in dict.fromkeys(x for x in smaller + split + shorter if min(x) >= 1):
         trial = replace(train, micro_batch_size=micro, seq_len=seq)
-        found = cheapest(model=model, train=trial, parallel=parallel, hardware=live, finetune=finetune,
-                         checkpoint=checkpoint)  # fmt: skip
+        found = cheapest(model=model, train=trial, parallel=replace(parallel, context_parallel=c), hardware=live,
+                         finetune=finetune, checkpoint=checkpoint)  # fmt: skip
         if found is None:
             continue
         ac, sharding, offload = found
@@ -130,6 +156,7 @@ def device_fix(
             for name, value, now in [
                 ("train.seq_len", seq, train.seq_len),
                 ("train.micro_batch_size", micro, train.micro_batch_size),
+                ("parallel.context_parallel", c, cp),
                 ("parallel.activation_checkpointing", ac, parallel.activation_checkpointing),
                 ("parallel.sharding", sharding, parallel.sharding),
                 ("parallel.cpu_offload", offload, parallel.cpu_offload),

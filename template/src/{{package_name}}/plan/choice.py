@@ -1,7 +1,8 @@
-"""The planner's picks: the cheapest sharding, activation checkpointing and offload that fit, and the
-tensor-parallel degree with the cheapest estimated step. The same search ran at question time
-(hooks/plan.jinja's best_given, recommend and recommend_tp) to choose the repo's defaults; the
-trainer's checks, `python -m <package>.plan` and its re-sizing advice run it on the live config."""
+"""The planner's picks: the cheapest sharding, activation checkpointing and offload that fit, the
+tensor-parallel degree with the cheapest estimated step, and the smallest context-parallel degree with
+which the sequence fits. The same search ran at question time (hooks/plan.jinja's best_given,
+recommend, recommend_tp and recommend_cp) to choose the repo's defaults; the trainer's checks,
+`python -m <package>.plan` and its re-sizing advice run it on the live config."""
 
 from __future__ import annotations
 
@@ -14,16 +15,18 @@ from .host import host_plan_for
 from .memory import AC_MODES, plan_for
 
 
-def sharding_candidates(num_nodes: int, inter_node_link: str, tensor_parallel: int = 1) -> tuple[str, ...]:
+def sharding_candidates(
+    num_nodes: int, inter_node_link: str, tensor_parallel: int = 1, context_parallel: int = 1
+) -> tuple[str, ...]:
     """Least communication first; hybrid ahead of full when the link between nodes is slow, since it keeps
-    the parameter traffic inside the nodes. DDP (no_shard) is not combined with tensor parallelism."""
+    the parameter traffic inside the nodes. DDP (no_shard) is not combined with tensor or context parallelism."""
     if num_nodes > 1 and inter_node_link == "ethernet":
         order = ("no_shard", "shard_grad_op", "hybrid", "full")
     elif num_nodes > 1:
         order = ("no_shard", "shard_grad_op", "full", "hybrid")
     else:
         order = ("no_shard", "shard_grad_op", "full")
-    return order if tensor_parallel == 1 else order[1:]
+    return order if tensor_parallel == 1 and context_parallel == 1 else order[1:]
 
 
 def cheapest(
@@ -42,7 +45,8 @@ def cheapest(
     they are given).
     """
     hw, cpu = hardware, hardware.accelerator == "cpu"
-    shardings = ("full",) if cpu else sharding_candidates(hw.num_nodes, hw.inter_node_link, parallel.tensor_parallel)
+    shardings = ("full",) if cpu else sharding_candidates(hw.num_nodes, hw.inter_node_link, parallel.tensor_parallel,
+                                                          parallel.context_parallel)  # fmt: skip
     args = dict(model=model, train=train, parallel=parallel, hardware=hw, finetune=finetune)
     for offload in (False,) if cpu else (False, True):
         for ac in AC_MODES:
@@ -95,15 +99,17 @@ class TensorParallelEstimate:
         return self.step_s / self.tokens
 
 
-def tensor_parallel_degrees(*, model: ModelConfig, train: TrainConfig, hardware: HardwareConfig) -> list[int]:
-    """1, and the powers of two that divide the GPUs per node and split the model: its spec's plan says what
-    must divide (heads, widths, the sequence)."""
+def tensor_parallel_degrees(
+    *, model: ModelConfig, train: TrainConfig, hardware: HardwareConfig, context_parallel: int = 1
+) -> list[int]:
+    """1, and the powers of two that divide the GPUs per node (beside `context_parallel` ranks of a context-parallel
+    group) and split the model: its spec's plan says what must divide (heads, widths, the sequence)."""
     plan = model_spec(model.name).tensor_parallel_plan(model)
     if hardware.accelerator == "cpu" or plan is None:
         return [1]
     degrees, t = [1], 2
     while t <= hardware.gpus_per_node:
-        if hardware.gpus_per_node % t == 0 and not plan.check(model, t, train.seq_len):
+        if hardware.gpus_per_node % (t * context_parallel) == 0 and not plan.check(model, t, train.seq_len):
             degrees.append(t)
         t *= 2
     return degrees
@@ -119,14 +125,14 @@ def estimate_tensor_parallel(
     the global batch) matches FSDP alone's until the memory runs out. Compute is 6 P FLOPs a token at
     MFU, a third more with full recomputation.
     """
-    hw, s = hardware, model_shape(model)
+    hw, s, cp = hardware, model_shape(model), parallel.context_parallel  # cp: the groups read the same batches
     world, precision = hw.gpus_per_node * hw.num_nodes, parallel.mixed_precision
     trial = replace(parallel, tensor_parallel=degree)
     for i in range(12):
         micro = base_micro_batch * degree // 2**i
         if micro < 1:
             return None
-        batch = replace(train, micro_batch_size=micro, global_batch_size=micro * world // degree)
+        batch = replace(train, micro_batch_size=micro, global_batch_size=micro * world // (degree * cp))
         choice = cheapest(model=model, train=batch, parallel=trial, hardware=hw, finetune=finetune,
                           checkpoint=checkpoint)  # fmt: skip
         if choice:
@@ -134,7 +140,7 @@ def estimate_tensor_parallel(
     else:
         return None
     ac, sharding, offload = choice
-    tokens = micro * train.seq_len  # per group and step
+    tokens = micro * train.seq_len // cp  # per tensor-parallel group and step
     compute = 6 * s.P * tokens / degree / (MFU * peak_flops(hardware=hw)) * (4 / 3 if ac == "full" else 1)
     sent = communication_bytes(s, sharding, precision, hw.gpus_per_node, hw.num_nodes, False, parallel.float8,
                                tensor_parallel=degree)  # fmt: skip
@@ -158,8 +164,46 @@ def recommend_tensor_parallel(
     args = dict(model=model, train=train, parallel=parallel, hardware=hardware, finetune=finetune,
                 checkpoint=checkpoint)  # fmt: skip
     best, key = 1, None
-    for degree in tensor_parallel_degrees(model=model, train=train, hardware=hardware):
+    cp = parallel.context_parallel
+    for degree in tensor_parallel_degrees(model=model, train=train, hardware=hardware, context_parallel=cp):
         found = estimate_tensor_parallel(**args, degree=degree, base_micro_batch=base_micro_batch)
         if found is not None and (key is None or (found.cpu_offload, found.seconds_per_token) < key):
             best, key = degree, (found.cpu_offload, found.seconds_per_token)
     return best
+
+
+def context_parallel_degrees(
+    *, model: ModelConfig, train: TrainConfig, parallel: ParallelConfig, hardware: HardwareConfig
+) -> list[int]:
+    """1, and the degrees that split every sequence over ranks of one node: each divides the GPUs a node has per
+    tensor-parallel group, the query heads of a rank (the model's plan checks them), and the sequence into 2 x
+    degree chunks (of a multiple of the tensor-parallel degree where sequence parallelism splits them again)."""
+    spec, t = model_spec(model.name), parallel.tensor_parallel
+    if hardware.accelerator == "cpu" or spec.cp_plan is None or hardware.gpus_per_node % t:
+        return [1]
+    per_node, seq = hardware.gpus_per_node // t, train.seq_len
+    return [1] + [
+        c
+        for c in range(2, per_node + 1)
+        if per_node % c == 0 and not spec.cp_plan.check(model, c, t) and seq % (2 * c) == 0 and seq // c % t == 0
+    ]
+
+
+def recommend_context_parallel(
+    *, model: ModelConfig, train: TrainConfig, parallel: ParallelConfig, hardware: HardwareConfig,
+    finetune: FinetuneConfig, checkpoint: CheckpointConfig,
+) -> int:  # fmt: skip
+    """The smallest context-parallel degree with which train's micro-batch of train's sequences fits some plan:
+    1 when they fit without it (it costs all-to-alls in every block, and a group reads the same sequences, so
+    the global batch shrinks with it); the largest degree when none fits (the checks then refuse it). Each
+    degree is planned as the template writes its config: one micro-batch per data-parallel rank a step."""
+    degrees = context_parallel_degrees(model=model, train=train, parallel=parallel, hardware=hardware)
+    world = hardware.gpus_per_node * hardware.num_nodes
+    for degree in degrees:
+        trial = replace(parallel, context_parallel=degree)
+        dp = max(world // (parallel.tensor_parallel * degree), 1)
+        batch = replace(train, global_batch_size=train.micro_batch_size * dp)
+        if cheapest(model=model, train=batch, parallel=trial, hardware=hardware, finetune=finetune,
+                    checkpoint=checkpoint):  # fmt: skip
+            return degree
+    return degrees[-1]

@@ -1,7 +1,8 @@
 """What a step sends and how long that takes against its compute. Memory decides what fits;
 communication decides, among the plans that fit, which is fast: FSDP's collectives overlap with
-compute only while they take less time than it, and tensor parallelism's do not overlap at all.
-hooks/plan.jinja's communication and tp_communication compute the same bytes at question time."""
+compute only while they take less time than it, and tensor and context parallelism's do not overlap
+at all. hooks/plan.jinja's communication, tp_communication and cp_communication compute the same bytes
+at question time."""
 
 from __future__ import annotations
 
@@ -67,6 +68,26 @@ def tensor_parallel_bytes(s: ModelShape, precision: str, ac: str, tensor_paralle
     return tokens * p * (s.h * (per_block * s.L + 4) + s.V) * (t - 1) / t
 
 
+def context_parallel_bytes(
+    s: ModelShape, precision: str, ac: str, tensor_parallel: int, context_parallel: int, tokens: int
+) -> float:
+    """Bytes each rank sends per step for context parallelism (Ulysses attention), on the link inside its node:
+    tokens / c p (2h + 2g) / t k L (c - 1) / c, for `tokens` what one context-parallel group processes per step,
+    c = context_parallel, t = tensor_parallel.
+
+    In each block forward all-to-alls q, k and v to be split by heads and the attention output back, a rank's
+    share of each going to the c - 1 others: (2h + 2g) / t elements per token it holds, where g is the
+    key/value width, or h where the key/value heads (per tensor-parallel rank) do not divide by c and are
+    repeated first. Backward all-to-alls their gradients alike (k = 2); full recomputation runs the forward's
+    again (k = 3), while selective checkpointing keeps their outputs (k = 2)."""
+    c, t, p = context_parallel, tensor_parallel, (4 if precision == "fp32" else 2)
+    if c <= 1:
+        return 0.0
+    g = s.kv if s.kv_heads // t % c == 0 else s.h
+    k = 3 if ac == "full" else 2
+    return tokens / c * p * (2 * s.h + 2 * g) / t * k * s.L * (c - 1) / c
+
+
 def link_seconds(sent: dict, *, hardware: HardwareConfig) -> float:
     """Seconds to send communication_bytes' figures over the planned links."""
     intra, inter = LINK_GBPS[hardware.intra_node_link] * 1e9, LINK_GBPS[hardware.inter_node_link] * 1e9
@@ -111,4 +132,17 @@ def tensor_parallel_seconds(
     t = parallel.tensor_parallel
     tokens = train.global_batch_size * train.seq_len * t // (hardware.gpus_per_node * hardware.num_nodes)
     sent = tensor_parallel_bytes(s, parallel.mixed_precision, parallel.activation_checkpointing, t, tokens)
+    return sent / (LINK_GBPS[hardware.intra_node_link] * 1e9)
+
+
+def context_parallel_seconds(
+    s: ModelShape, *, train: TrainConfig, parallel: ParallelConfig, hardware: HardwareConfig
+) -> float:
+    """Seconds per step that context parallelism's all-to-alls take on the link inside a node, which compute
+    waits for."""
+    c, t = parallel.context_parallel, parallel.tensor_parallel
+    tokens = train.global_batch_size * train.seq_len * c * t // (hardware.gpus_per_node * hardware.num_nodes)
+    sent = context_parallel_bytes(s, parallel.mixed_precision, parallel.activation_checkpointing, t, c, tokens)
+    if not sent:  # no context parallelism (and perhaps one rank a node, and no link to name)
+        return 0.0
     return sent / (LINK_GBPS[hardware.intra_node_link] * 1e9)

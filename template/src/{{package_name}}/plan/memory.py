@@ -46,7 +46,8 @@ class MemoryPlan:
 
 def shard_group(sharding: str, gpus_per_node: int, num_nodes: int, tensor_parallel: int = 1) -> int:
     """Data-parallel ranks (tensor-parallel groups) that share one copy of the model state: hybrid
-    replicates it per node, DDP on every rank."""
+    replicates it per node, DDP on every rank. Context-parallel ranks are among them: FSDP shards over
+    data-parallel x context-parallel ranks (distributed.build_mesh's "dp_shard_cp")."""
     per_node = gpus_per_node // tensor_parallel
     return {"hybrid": per_node, "no_shard": 1}.get(sharding, per_node * num_nodes)
 
@@ -56,11 +57,13 @@ def memory_plan(
     cpu_offload: bool, gpus_per_node: int, num_nodes: int, grad_accum: int = 1, sync_every_microbatch: bool = False,
     zero_optimizer: bool = False, prefetch_blocks: int = 0, float8: str = "none", lora_rank: int = 0,
     lora_targets: str = LORA["targets"], tensor_parallel: int = 1, sequence_parallel: bool = True,
+    context_parallel: int = 1,
 ) -> MemoryPlan:  # fmt: skip
     """Bytes per rank of each term, for the model's shape `s` (P parameters, Pb per block, Pn outside the
     blocks, L blocks, vocabulary V), p bytes per element of the compute dtype, G = shard_group ranks
-    sharing the state, t = tensor_parallel and T = micro_batch_size x seq_len tokens (a ViT's: its
-    patches):
+    sharing the state, t = tensor_parallel, c = context_parallel and T = micro_batch_size x seq_len / c
+    tokens a rank holds (a ViT's: its patches; context parallelism splits every sequence over c ranks, which
+    hold the parameters' shards together with the data-parallel ones, so only the activations change):
 
         params, grads, optim  4P, 4P and 8P over G t: fp32 parameters (FSDP2 keeps the sharded ones in
                     their own dtype: these are the master weights), gradients and AdamW's two moments;
@@ -73,8 +76,8 @@ def memory_plan(
         gradbuf     Pb (p + 4) / t: one block's unsharded gradient and its fp32 reduce-scatter input.
         activations T [L a + V (p + 12)] + T a_none under full recomputation (the block recomputed in
                     backward), where a = activation_bytes_per_token and V (p + 12) is the logits, their
-                    fp32 copy, the log-softmax output and its gradient (whole on every rank: no loss
-                    parallelism).
+                    fp32 copy, the log-softmax output and its gradient (whole on every rank of a
+                    tensor-parallel group: no loss parallelism; a context-parallel rank's for its tokens).
         grads_live  the gradients alive during the forward pass: none with one micro-batch a step
                     (zero_grad(set_to_none) frees them first); with accumulation the sharded 4P / G t,
                     or 4P / t where FSDP keeps unsharded fp32 gradients until the last micro-batch.
@@ -109,10 +112,10 @@ def memory_plan(
         gathered = (1 + max(prefetch_blocks, 1)) * block + s.Pn * p / t
     gradbuf = 0 if sharding == "no_shard" else trained_block * (p + 4) / t
     per_layer = functools.partial(activation_bytes_per_token, s, precision, lora_rank=lora_rank,
-                                  lora_targets=lora_targets, tensor_parallel=t,
-                                  sequence_parallel=sequence_parallel)  # fmt: skip
-    tokens = (s.tokens or seq_len) * micro_batch_size
-    logits = (s.logits or seq_len) * micro_batch_size
+                                  lora_targets=lora_targets, tensor_parallel=t, sequence_parallel=sequence_parallel,
+                                  context_parallel=context_parallel)  # fmt: skip
+    tokens = (s.tokens or seq_len) * micro_batch_size / context_parallel
+    logits = (s.logits or seq_len) * micro_batch_size / context_parallel
     extra = per_layer("none") if ac == "full" else 0  # the one block being recomputed in backward
     activations = tokens * (s.L * per_layer(ac) + extra) + logits * s.V * (p + 12)
     host = params + grads + optim if cpu_offload else 0
@@ -136,21 +139,23 @@ def adapter_params(s: ModelShape, lora_rank: int, lora_targets: str) -> int:
 
 def activation_bytes_per_token(
     s: ModelShape, precision: str, ac: str, lora_rank: int = 0, lora_targets: str = LORA["targets"],
-    tensor_parallel: int = 1, sequence_parallel: bool = True,
+    tensor_parallel: int = 1, sequence_parallel: bool = True, context_parallel: int = 1,
 ) -> float:  # fmt: skip
-    """a, the bytes one block keeps for backward per token. Only the model knows what its blocks keep,
-    so the formula is its shape's `activation_bytes` (models/llama/shape.py's blocks, models/hf_causal_lm/shape.py's
-    transformers layers); tests/test_plan.py measures it for every model in the registry."""
+    """a, the bytes one block keeps for backward per token (a rank holds). Only the model knows what its blocks
+    keep, so the formula is its shape's `activation_bytes` (models/llama/shape.py's blocks,
+    models/hf_causal_lm/shape.py's transformers layers); tests/test_plan.py measures it for every model in the
+    registry, tests/test_context_parallel.py with context parallelism."""
+    kwargs = {"context_parallel": context_parallel} if context_parallel > 1 else {}  # models without it: 1
     return s.activation_bytes(
         4 if precision == "fp32" else 2, ac, lora_rank=lora_rank, lora_targets=lora_targets,
-        tensor_parallel=tensor_parallel, sequence_parallel=sequence_parallel,
+        tensor_parallel=tensor_parallel, sequence_parallel=sequence_parallel, **kwargs,
     )  # fmt: skip
 
 
 def grad_accum(*, train: TrainConfig, parallel: ParallelConfig, hardware: HardwareConfig) -> int:
     """Micro-batches per step on the planned world size, which decide whether gradients live through the
-    forward pass (1 when the batch does not split)."""
-    dp = hardware.gpus_per_node * hardware.num_nodes // parallel.tensor_parallel
+    forward pass (1 when the batch does not split). Tensor- and context-parallel groups share their batches."""
+    dp = max(hardware.gpus_per_node * hardware.num_nodes // (parallel.tensor_parallel * parallel.context_parallel), 1)
     return max(train.global_batch_size // (train.micro_batch_size * dp), 1)
 
 
@@ -188,4 +193,5 @@ def plan_for(
         zero_optimizer=p.zero_optimizer if zero_optimizer is None else zero_optimizer,
         prefetch_blocks=p.prefetch_blocks, float8=p.float8, **lora_of(finetune=finetune, method=method),
         tensor_parallel=p.tensor_parallel, sequence_parallel=sequence_parallel(model=model, parallel=p),
+        context_parallel=p.context_parallel,
     )  # fmt: skip

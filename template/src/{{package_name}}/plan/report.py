@@ -4,6 +4,8 @@ alternatives with the numbers the planner compared."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ..config import CheckpointConfig, FinetuneConfig, HardwareConfig, ParallelConfig, TrainConfig
 from ..models import ModelConfig, model_shape
 from . import (
@@ -13,12 +15,16 @@ from . import (
     SHARDINGS,
     adapter_params,
     communication_bytes,
+    context_parallel_bytes,
+    context_parallel_degrees,
+    context_parallel_seconds,
     estimate_tensor_parallel,
     grad_accum,
     host_plan_for,
     lora_of,
     plan_for,
     recommend,
+    recommend_context_parallel,
     recommend_tensor_parallel,
     step_seconds,
     tensor_parallel_degrees,
@@ -40,7 +46,9 @@ def format_table(
             f"{v:<{w}}" if i in (0, 8) else f"{v:>{w}}" for i, (v, w) in enumerate(zip(values, widths, strict=True))
         )
 
-    group = "rank" if p.tensor_parallel == 1 else f"group of {p.tensor_parallel} (tensor parallel)"
+    split = [f"{n} ({what} parallel)" for n, what in ((p.tensor_parallel, "tensor"), (p.context_parallel, "context"))
+             if n > 1]  # fmt: skip
+    group = f"group of {' x '.join(split)}" if split else "rank"
     usable = HOST_MEMORY["headroom"] * hw.host_memory_gb
     ram = f"; {hw.host_memory_gb:g} GiB of RAM per node ({usable:.1f} usable)" if hw.host_memory_gb else ""
     accum = grad_accum(train=train, parallel=p, hardware=hw)
@@ -67,7 +75,9 @@ def format_table(
             "comm/compute",
         ),  # fmt: skip
     ]
-    ddp = [("no_shard", False, False), ("no_shard", False, True)] if p.tensor_parallel == 1 else []
+    ddp = (
+        [("no_shard", False, False), ("no_shard", False, True)] if p.tensor_parallel == p.context_parallel == 1 else []
+    )
     choices = ddp + [
         (x, offload, False) for x in SHARDINGS[1:] if x != "hybrid" or hw.num_nodes > 1 for offload in (False, True)
     ]
@@ -98,7 +108,40 @@ def format_table(
         "comm/compute: estimated communication time over compute time per step (40% MFU); above 1, FSDP cannot "
         "hide the communication behind compute",
     ]
-    return "\n".join(rows + tensor_parallel_rows(**args, checkpoint=checkpoint))
+    more = tensor_parallel_rows(**args, checkpoint=checkpoint) + context_parallel_rows(**args, checkpoint=checkpoint)
+    return "\n".join(rows + more)
+
+
+def context_parallel_rows(
+    *, model: ModelConfig, train: TrainConfig, parallel: ParallelConfig, hardware: HardwareConfig,
+    finetune: FinetuneConfig, checkpoint: CheckpointConfig,
+) -> list[str]:  # fmt: skip
+    """Every context-parallel degree's peak with this config's other settings, its all-to-all traffic, and the
+    planner's degree (choice.recommend_context_parallel)."""
+    degrees = context_parallel_degrees(model=model, train=train, parallel=parallel, hardware=hardware)
+    if len(degrees) == 1 or not hardware.gpu_memory_gb:
+        return []
+    s, p, hw = model_shape(model), parallel, hardware
+    rows = ["", f"context parallelism at {train.micro_batch_size} x {train.seq_len} tokens per group:",
+            f"{'degree':<8}{'tokens/rank':>12}{'activ. GiB':>11}{'peak GiB':>10}  {'fits':<6}{'all-to-all GB':>14}"
+            f"{'a2a s':>7}"]  # fmt: skip
+    world = hw.gpus_per_node * hw.num_nodes
+    for c in degrees:
+        trial = replace(p, context_parallel=c)
+        m = plan_for(model=model, train=train, parallel=trial, hardware=hw, finetune=finetune)
+        tokens = train.global_batch_size * train.seq_len * c * p.tensor_parallel // world  # per group and step
+        sent = context_parallel_bytes(s, p.mixed_precision, p.activation_checkpointing, p.tensor_parallel, c, tokens)
+        seconds = context_parallel_seconds(s, train=train, parallel=trial, hardware=hw)
+        this = "   <- this config" if c == p.context_parallel else ""
+        per_rank = train.micro_batch_size * train.seq_len // c
+        fits = "yes" if m.fits(hw.gpu_memory_gb) else "no"
+        rows.append(f"{c:<8}{per_rank:>12}{m.activations / GIB:>11.1f}{m.total / GIB:>10.1f}  {fits:<6}"
+                    f"{sent / 1e9:>14.1f}{seconds:>7.2f}{this}")  # fmt: skip
+    best = recommend_context_parallel(model=model, train=train, parallel=parallel, hardware=hardware,
+                                      finetune=finetune, checkpoint=checkpoint)  # fmt: skip
+    rows.append(f"planner's context_parallel: {best} (the smallest degree with which a plan fits; the all-to-alls "
+                "are not overlapped)")  # fmt: skip
+    return rows
 
 
 def tensor_parallel_rows(
@@ -106,7 +149,8 @@ def tensor_parallel_rows(
     finetune: FinetuneConfig, checkpoint: CheckpointConfig,
 ) -> list[str]:  # fmt: skip
     """Every tensor-parallel degree's cheapest plan and estimated step (choice.estimate_tensor_parallel)."""
-    degrees = tensor_parallel_degrees(model=model, train=train, hardware=hardware)
+    degrees = tensor_parallel_degrees(model=model, train=train, hardware=hardware,
+                                      context_parallel=parallel.context_parallel)  # fmt: skip
     if len(degrees) == 1 or not hardware.gpu_memory_gb:
         return []
     args = dict(model=model, train=train, parallel=parallel, hardware=hardware, finetune=finetune,
