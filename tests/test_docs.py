@@ -11,6 +11,7 @@ from answers import MATRIX
 DOCS = ["PLAN.md", "TROUBLESHOOTING.md", "FSDP1_TO_FSDP2.md", "README.md"]
 HOSTS = {"docs.pytorch.org", "arxiv.org", "github.com"}
 DECISIONS = ["Memory per rank", "Host memory per node", "Fine-tuning", "Sharding", "Tensor parallelism",
+             "Context parallelism",
              "reshard_after_forward", "Mixed precision", "CPU offload", "Activation checkpointing", "float8",
              "torch.compile", "Backend",
              "Rendezvous", "Initialisation", "Gradient accumulation", "Data and uneven inputs", "Checkpoints",

@@ -116,31 +116,30 @@ def context_parallel_rows(
     *, model: ModelConfig, train: TrainConfig, parallel: ParallelConfig, hardware: HardwareConfig,
     finetune: FinetuneConfig, checkpoint: CheckpointConfig,
 ) -> list[str]:  # fmt: skip
-    """Every context-parallel degree's peak with this config's other settings, its all-to-all traffic, and the
-    planner's degree (choice.recommend_context_parallel)."""
+    """Every context-parallel degree's peak with this config's other settings, the all-to-all traffic of one
+    micro-batch, and the planner's degree (choice.recommend_context_parallel)."""
     degrees = context_parallel_degrees(model=model, train=train, parallel=parallel, hardware=hardware)
     if len(degrees) == 1 or not hardware.gpu_memory_gb:
         return []
     s, p, hw = model_shape(model), parallel, hardware
-    rows = ["", f"context parallelism at {train.micro_batch_size} x {train.seq_len} tokens per group:",
-            f"{'degree':<8}{'tokens/rank':>12}{'activ. GiB':>11}{'peak GiB':>10}  {'fits':<6}{'all-to-all GB':>14}"
-            f"{'a2a s':>7}"]  # fmt: skip
-    world = hw.gpus_per_node * hw.num_nodes
+    tokens = train.micro_batch_size * train.seq_len  # one micro-batch of a group
+    header = f"{'degree':<8}{'tokens/rank':>12}{'activ. GiB':>11}{'peak GiB':>10}  {'fits':<6}{'all-to-all GB':>14}"
+    rows = ["", f"context parallelism at {train.micro_batch_size} x {train.seq_len} tokens per group and micro-batch:",
+            header]  # fmt: skip
     for c in degrees:
-        trial = replace(p, context_parallel=c)
-        m = plan_for(model=model, train=train, parallel=trial, hardware=hw, finetune=finetune)
-        tokens = train.global_batch_size * train.seq_len * c * p.tensor_parallel // world  # per group and step
+        m = plan_for(model=model, train=train, parallel=replace(p, context_parallel=c), hardware=hw, finetune=finetune)
         sent = context_parallel_bytes(s, p.mixed_precision, p.activation_checkpointing, p.tensor_parallel, c, tokens)
-        seconds = context_parallel_seconds(s, train=train, parallel=trial, hardware=hw)
         this = "   <- this config" if c == p.context_parallel else ""
-        per_rank = train.micro_batch_size * train.seq_len // c
         fits = "yes" if m.fits(hw.gpu_memory_gb) else "no"
-        rows.append(f"{c:<8}{per_rank:>12}{m.activations / GIB:>11.1f}{m.total / GIB:>10.1f}  {fits:<6}"
-                    f"{sent / 1e9:>14.1f}{seconds:>7.2f}{this}")  # fmt: skip
+        rows.append(f"{c:<8}{tokens // c:>12}{m.activations / GIB:>11.1f}{m.total / GIB:>10.1f}  {fits:<6}"
+                    f"{sent / 1e9:>14.1f}{this}")  # fmt: skip
     best = recommend_context_parallel(model=model, train=train, parallel=parallel, hardware=hardware,
                                       finetune=finetune, checkpoint=checkpoint)  # fmt: skip
-    rows.append(f"planner's context_parallel: {best} (the smallest degree with which a plan fits; the all-to-alls "
-                "are not overlapped)")  # fmt: skip
+    rows.append(f"planner's context_parallel: {best} (the smallest degree with which a plan fits)")
+    if p.context_parallel > 1:
+        seconds = context_parallel_seconds(s, train=train, parallel=p, hardware=hw)
+        rows.append(f"this config's all-to-alls: {seconds:.2f} s per step on the link inside a node, which compute "
+                    "waits for")  # fmt: skip
     return rows
 
 
