@@ -62,6 +62,9 @@ MATRIX = {
         "model_size": "70b",
         "tensor_parallel": 4,
     },
+    # Llama 3.1 8B on its whole 131,072-token context on the default 8 x H100: every sequence is split over the
+    # node's 8 GPUs (context parallelism, the planner's pick: the smallest degree that fits).
+    "long_context_8b": {"seq_len": 131072},
     # A transformers Qwen2 of the 8B shape, fine-tuned on chats (sft): on two 48 GB GPUs it only
     # fits with CPU offload (the planner's pick).
     "ada_offload": {

@@ -451,6 +451,107 @@ def test_transformers_tensor_parallel_plans_are_planned_alike_at_question_and_ru
     assert (best_degree(plan, llama, 1), best_degree(plan, hf, 1)) == (2, 1)
 
 
+def test_context_parallel_splits_the_activations_of_llama_8b_at_131072_tokens_by_hand(plan):
+    # Llama 3.1 8B on 8 x H100 at its whole context: one 131,072-token sequence per group of 8, full recomputation,
+    # shard_grad_op (the planner's pick at question time). Each GPU holds 16,384 of the sequence's tokens.
+    s = shape(plan, "8b")
+    h, kv, f, V = 4096, 1024, 14336, 128256
+    kw = dict(seq_len=131072, micro_batch_size=1, precision="bf16", ac="full", sharding="shard_grad_op",
+              cpu_offload=False, gpus_per_node=8, num_nodes=1)  # fmt: skip
+    one, eight = plan.memory_plan(s, **kw), plan.memory_plan(s, context_parallel=8, **kw)
+    # The model state is sharded over the same 8 ranks either way (FSDP shards over dp_shard x cp).
+    assert (eight.params, eight.optim, eight.gathered) == (one.params, one.optim, one.gathered)
+    # Per token a rank holds: the block inputs (2h bytes each), the block recomputed in backward, the logits.
+    # 8 divides the 8 key/value heads: attention keeps them as they are.
+    recomputed = 16 * h + 2 * (5 * h + 2 * kv + 4 * f)
+    assert plan.activation_bytes_per_token(s, "bf16", "none", context_parallel=8) == recomputed
+    assert eight.activations == 16384 * (32 * 2 * h + recomputed + V * (2 + 12)) == 37_404_803_072
+    assert one.activations == 8 * eight.activations
+    assert round(one.total / GIB, 1) == 306.1 and round(eight.total / GIB, 1) == 62.2 and eight.fits(80)
+    # Without context parallelism the least any plan needs (full sharding with offload) is what the question
+    # refused before: "'seq_len': 8192 tokens fit: 131072 need 282.7 GiB per GPU, 72.0 usable".
+    least = plan.memory_plan(s, **{**kw, "sharding": "full", "cpu_offload": True})
+    assert round(least.total / GIB, 1) == 282.7
+    # Key/value heads that a degree does not divide are repeated to the query heads: with tensor parallelism 2
+    # a rank holds 4 of them, and 8 ranks of context parallelism would need 8 (the degrees it has are 2 and 4;
+    # with 4 they divide). Selective checkpointing keeps the all-to-alls' outputs, p (2h + 2g) / t more.
+    assert plan.activation_bytes_per_token(s, "bf16", "selective", tensor_parallel=2, context_parallel=4) == (
+        plan.activation_bytes_per_token(s, "bf16", "selective", tensor_parallel=2) + 2 * (2 * h + 2 * kv) / 2
+    )
+    s70 = shape(plan, "70b")  # 8 key/value heads; with tensor parallelism 4, 2 a rank: 4 ranks repeat them
+    g = 8192  # h: repeated
+    assert plan.activation_bytes_per_token(s70, "bf16", "none", tensor_parallel=4, context_parallel=2) == (
+        plan.activation_bytes_per_token(s70, "bf16", "none", tensor_parallel=4)
+    )
+    assert plan.activation_bytes_per_token(s70, "bf16", "none", tensor_parallel=2, context_parallel=8) == (
+        16 * g / 2 + 2 * (2 * g + (3 * g + 2 * g + 4 * 28672) / 2)
+    )
+    # The all-to-alls of one 131,072-token sequence: q, k, v and the output per block (2h + 2kv values per token a
+    # rank holds), forward, backward and the forward again under full recomputation, 7/8 of it to the others.
+    sent = plan.context_parallel_bytes(s, "bf16", "full", 1, 8, 131072)
+    assert sent == 16384 * 2 * (2 * h + 2 * kv) * 3 * 32 * 7 / 8 == 28_185_722_880
+
+
+CP_GRID = list(itertools.product(
+    [p for p in PRESETS if p != "debug"], ["bf16", "fp32"], ["none", "selective", "full"],
+    ["full", "shard_grad_op", "hybrid"], [False, True], [(8, 1), (8, 2)], [(1, 2), (1, 8), (2, 2), (2, 4)],
+    ["full", "lora"],
+))  # fmt: skip
+
+
+def test_question_time_and_run_time_agree_with_context_parallelism(plan):
+    fields = ["params", "grads", "optim", "grads_live", "gathered", "gradbuf", "activations", "host", "total"]
+    checked = 0
+    for preset, precision, ac, sharding, offload, (gpus, nodes), (tp, cp), finetune in CP_GRID:
+        if tp > 1 and finetune == "lora":
+            continue  # the trainer refuses LoRA with tensor parallelism
+        seq, mbs = 4 * PRESETS[preset]["seq_len"], 1
+        q = json.loads(jinja("memory_plan", preset, seq, mbs, precision, ac, sharding, offload, gpus, nodes, 1, False,
+                             False, 0, "none", finetune, tp, True, cp))  # fmt: skip
+        r = plan.memory_plan(shape(plan, preset), seq_len=seq, micro_batch_size=mbs, precision=precision, ac=ac,
+                             sharding=sharding, cpu_offload=offload, gpus_per_node=gpus, num_nodes=nodes,
+                             lora_rank=HOOKS.LORA["rank"] if finetune == "lora" else 0,
+                             lora_targets=HOOKS.LORA["targets"], tensor_parallel=tp,
+                             context_parallel=cp)  # fmt: skip
+        for name in fields:
+            assert q[name] == pytest.approx(getattr(r, name), rel=1e-12), (preset, precision, ac, tp, cp, name)
+        qc = float(jinja("cp_communication", preset, precision, ac, tp, cp, seq * mbs))
+        rc = plan.context_parallel_bytes(shape(plan, preset), precision, ac, tp, cp, seq * mbs)
+        assert qc == pytest.approx(rc, rel=1e-12) and rc > 0, (preset, precision, ac, tp, cp)
+        checked += 1
+    assert checked > 1000
+    # The grid holds key/value heads that split (8b, cp 8) and that are repeated (70b, tp 2 x cp 4: 4 heads a rank).
+    assert plan.context_parallel_bytes(shape(plan, "70b"), "bf16", "none", 2, 4, 8192) > plan.context_parallel_bytes(
+        shape(plan, "8b"), "bf16", "none", 2, 4, 8192
+    )
+
+
+def test_question_time_and_run_time_pick_the_same_context_parallel_degree(plan):
+    picked = set()
+    for preset, seq, (gpus, nodes), memory, tp in itertools.product(
+        ["1b", "8b", "70b"], [8192, 32768, 131072], [(8, 1), (4, 2)], [40, 80, 141], [1, 2]
+    ):
+        cfg = hardware_config(preset, "bf16", gpus, nodes, memory, "nvlink", "infiniband", "hopper")
+        cfg.train.seq_len, cfg.train.micro_batch_size = seq, 1
+        cfg.parallel.tensor_parallel = tp
+        q_degrees = jinja("cp_degrees", preset, seq, gpus, tp, "cuda", "llama")
+        r_degrees = plan.context_parallel_degrees(model=cfg.model, train=cfg.train, parallel=cfg.parallel,
+                                                  hardware=cfg.hardware)  # fmt: skip
+        assert q_degrees == ",".join(map(str, r_degrees)), (preset, seq, gpus, tp)
+        q = jinja("recommend_cp", preset, seq, 1, "bf16", gpus, nodes, memory, "infiniband", "cuda", "llama", "full",
+                  tp)  # fmt: skip
+        r = plan.recommend_context_parallel(**subs(cfg))
+        assert int(q) == r, (preset, seq, gpus, nodes, memory, tp)
+        picked.add(r)
+    assert picked >= {1, 2, 4}, picked  # the grid needs no degree, some, and the most a node has
+    # Other models, and CPU ranks, have only 1.
+    assert jinja("cp_degrees", "8b", 131072, 8, 1, "cuda", "hf_causal_lm") == "1"
+    assert jinja("cp_degrees", "8b", 131072, 8, 1, "cpu", "llama") == "1"
+    # A degree must split the node, the heads (125m has 12) and the sequence into 2 x degree chunks.
+    assert jinja("cp_degrees", "125m", 2048, 8, 1, "cuda", "llama") == "1,2,4"
+    assert jinja("cp_degrees", "8b", 8200, 8, 1, "cuda", "llama") == "1,2,4"
+
+
 def test_host_memory_of_70b_on_one_24_gib_gpu_by_hand(plan):
     # Llama 3.1 70B fits one 24 GiB GPU only with CPU offload: its whole fp32 state goes to the host.
     s = shape(plan, "70b")
