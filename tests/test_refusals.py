@@ -138,6 +138,43 @@ REFUSED = {
         "seq_len",
         "must be a multiple of tensor_parallel=8",
     ),
+    # Context parallelism: a sequence no degree fits, and degrees that cannot split it.
+    "sequence_too_long_even_split": (
+        {"gpu_memory_gb": 24, "seq_len": 131072},
+        "seq_len",
+        "65536 tokens fit: 131072 need 38.8 GiB per GPU, 21.6 usable",
+    ),
+    "context_parallel_beyond_node": (
+        {"seq_len": 131072, "context_parallel": 16},
+        "context_parallel",
+        "answer 8 (divides gpus_per_node=8)",
+    ),
+    "context_parallel_splits_heads": (
+        {"model_size": "125m", "seq_len": 2048, "context_parallel": 8},
+        "context_parallel",
+        "answer 1, 2 or 4 (divides 125m's n_heads=12)",
+    ),
+    "context_parallel_splits_the_sequence": (
+        {"seq_len": 8200, "context_parallel": 8},
+        "context_parallel",
+        "answer 1, 2 or 4 (2 x context_parallel divides seq_len=8200)",
+    ),
+    "context_parallel_too_small": (
+        {"seq_len": 131072, "context_parallel": 2},
+        "context_parallel",
+        "answer 8: 2 needs 143.3 GiB per GPU, 72.0 usable",
+    ),
+    "context_parallel_without_a_plan": (
+        {"model_type": "custom", "context_parallel": 2},
+        "context_parallel",
+        "answer 1: custom has no context-parallel plan (only llama does)",
+    ),
+    "context_parallel_zero": ({"context_parallel": 0}, "context_parallel", "must be at least 1"),
+    "context_parallel_with_ddp": (
+        {"seq_len": 131072, "sharding": "no_shard"},
+        "sharding",
+        "choose full or shard_grad_op: DDP is not combined with context_parallel=8",
+    ),
     "no_gpus": ({"gpus_per_node": 0}, "gpus_per_node", "between 1 and 128"),
     "zero_gpu_memory": ({"gpu_memory_gb": 0}, "gpu_memory_gb", "between 1 and 1024"),
     "zero_host_memory": ({"host_memory_gb": 0}, "host_memory_gb", "between 1 and 65536"),
@@ -198,7 +235,7 @@ def test_every_question_that_can_refuse_has_a_case_here():
 @pytest.mark.parametrize(
     "case",
     ["8b_ddp_does_not_fit", "ac_none_cannot_fit", "offload_needed", "70b_sequence_too_long", "offload_host_memory",
-     "async_checkpoint_host_memory"],
+     "async_checkpoint_host_memory", "sequence_too_long_even_split"],
 )  # fmt: skip
 def test_the_fix_a_memory_refusal_names_is_accepted(tmp_path, case):
     """A refusal ends in `choose question=value` (or `N tokens fit`); taking that advice renders."""
@@ -244,6 +281,8 @@ HARDWARE = [
     # 4 for llama, of 8 for transformers' plan, whose whole activations need more memory.
     {"num_nodes": 4, "inter_node_link": "ethernet", "gpu_memory_gb": 80, "model_type": "llama"},
     {"num_nodes": 4, "inter_node_link": "ethernet", "gpu_memory_gb": 80, "model_type": "hf_causal_lm"},
+    # Llama 3.1's whole context on 8 x 80 GiB: every sequence split over the node (context_parallel=8).
+    {"gpu_memory_gb": 80, "model_type": "llama", "seq_len": 131072},
 ]
 
 
@@ -257,6 +296,7 @@ def test_the_planners_defaults_are_always_allowed_and_fit(tmp_path, hardware):
     if hardware.get("num_nodes") == 4:
         expected = 4 if hardware["model_type"] == "llama" else 8
         assert answers["tensor_parallel"] == expected and answers["sharding"] != "no_shard", answers
+    assert answers.get("context_parallel", 1) == (8 if hardware.get("seq_len") == 131072 else 1), answers
 
 
 def suggestions(message: str) -> list[dict]:
@@ -315,6 +355,22 @@ def test_a_refusal_names_every_answer_its_fix_changes_and_following_it_renders(t
     recorded = answers_of(root)
     assert {k: recorded[k] for k in fix} == fix and misfit(recorded) == ""
     assert recorded["micro_batch_size"] == 1 and recorded["model_size"] == "8b"  # the answers it did not name stay
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["sequence_too_long_even_split", "context_parallel_beyond_node", "context_parallel_splits_heads",
+     "context_parallel_splits_the_sequence", "context_parallel_too_small", "context_parallel_without_a_plan"],
+)  # fmt: skip
+def test_following_a_context_parallel_refusals_fix_renders(tmp_path, case):
+    """Each degree (or sequence) a context-parallel refusal offers renders with the other answers as given, and
+    the repo records it."""
+    answers, question, _ = REFUSED[case]
+    offers = suggestions(refusal_of(tmp_path, answers))
+    assert offers, case
+    for i, offer in enumerate(offers):
+        recorded = answers_of(render(tmp_path / f"fixed{i}", {**answers, **offer}))
+        assert {k: recorded[k] for k in offer} == offer and misfit(recorded) == "", (offer, recorded)
 
 
 # Answer sets the planner refuses: hardware, a model, and later answers given on the command line that
