@@ -136,6 +136,10 @@ def test_impossible_picks_on_one_gpu_node_are_disabled_or_refused(session, tmp_p
     refusals["seq_len=200000"] = s.type("200000")  # past Llama 3.1's 131,072-token context
     assert s.type("8192") == ""
     s.next_prompt()
+    assert s.current.name == "context_parallel"
+    refusals["context_parallel=3"] = s.type("3")  # a group must divide the node
+    assert s.type("1") == ""
+    s.next_prompt()
     refusals["micro_batch_size=64"] = s.type("64")
     assert s.type("1") == ""
     run_to(s, "activation_checkpointing", {})
@@ -162,6 +166,7 @@ def test_impossible_picks_on_one_gpu_node_are_disabled_or_refused(session, tmp_p
     assert refusals["package_name=launch"].endswith("try launch_train: 'launch' shadows an imported module")
     assert refusals["tensor_parallel=3"].endswith("answer 1, 2, 4 or 8 (divides gpus_per_node=8)")
     assert refusals["seq_len=200000"].endswith("must be between 1 and 131072 (the preset's max_seq_len)")
+    assert refusals["context_parallel=3"].endswith("answer 1, 2, 4 or 8 (divides gpus_per_node=8)")
     assert re.search(r"1 fits: 64 need \d+\.\d GiB per GPU, 72\.0 usable$", refusals["micro_batch_size=64"])
     assert refusals["activation_checkpointing=none"].startswith("choose activation_checkpointing=selective: at best")
     assert NUMBERS.search(refusals["activation_checkpointing=none"])
@@ -172,6 +177,31 @@ def test_impossible_picks_on_one_gpu_node_are_disabled_or_refused(session, tmp_p
     assert "cannot run collectives on cuda" in refusals["backend=xccl"]
     answers = assert_valid_plan(tmp_path, tmp_path / "proj")
     assert (answers["sharding"], answers["zero_optimizer"], answers["package_name"]) == ("no_shard", True, "mymodel")
+
+
+def test_a_whole_131072_token_context_takes_context_parallelism(session, tmp_path):
+    """8 x H100 80 GiB, 8b at Llama 3.1's whole context: the sequence is accepted, the planner's degree is the
+    node's 8 GPUs, smaller ones are refused with their figure, and DDP is disabled for it."""
+    s = session()
+    run_to(s, "customize", {})
+    s.confirm(True)
+    run_to(s, "seq_len", {})
+    assert s.type("131072") == ""
+    s.next_prompt()
+    assert s.current.name == "context_parallel" and "(8)" in s.screen.rsplit("Context parallelism", 1)[-1]
+    too_few = s.type("2")
+    assert too_few.endswith("answer 8: 2 needs 143.3 GiB per GPU, 72.0 usable"), too_few
+    beyond = s.type("16")
+    assert beyond.endswith("answer 8 (divides gpus_per_node=8)"), beyond
+    assert s.type("8") == ""
+    run_to(s, "sharding", {})
+    ddp = pick_disabled(s, "no_shard")
+    assert ddp.endswith("DDP is not combined with context_parallel=8"), ddp
+    s.accept()
+    assert s.finish() == 0
+    answers = assert_valid_plan(tmp_path, tmp_path / "proj")
+    assert (answers["seq_len"], answers["context_parallel"], answers["micro_batch_size"]) == (131072, 8, 1)
+    assert "context_parallel = 8" in (tmp_path / "proj" / "configs" / "8b.toml").read_text()
 
 
 def test_impossible_picks_when_memory_is_short(session, tmp_path):
@@ -302,7 +332,8 @@ SCREENS = {
                           "launchers": [], "checkpoint_keep_last": 0},
     "one_small_volta": {"gpu_arch": "volta", "gpus_per_node": 1, "gpu_memory_gb": 8, "project_name": "my project"},
     "ddp_8b_on_h100s": {"activation_checkpointing": "full", "sharding": "no_shard", "tensor_parallel": 3,
-                        "seq_len": 100000, "micro_batch_size": 64},
+                        "seq_len": 200000, "context_parallel": 3, "micro_batch_size": 64},
+    "long_context_8b": {"seq_len": 131072, "context_parallel": 2, "sharding": "no_shard"},
     "hf_lora_fp16": {"model_type": "hf_causal_lm", "finetune": "lora", "mixed_precision": "fp16", "tensor_parallel": 2},
 }  # fmt: skip
 
