@@ -188,7 +188,7 @@ def test_a_whole_131072_token_context_takes_context_parallelism(session, tmp_pat
     run_to(s, "seq_len", {})
     assert s.type("131072") == ""
     s.next_prompt()
-    assert s.current.name == "context_parallel" and "(8)" in s.screen.rsplit("Context parallelism", 1)[-1]
+    assert s.current.name == "context_parallel"
     too_few = s.type("2")
     assert too_few.endswith("answer 8: 2 needs 143.3 GiB per GPU, 72.0 usable"), too_few
     beyond = s.type("16")
