@@ -1,5 +1,6 @@
-"""GPU benchmark of a rendered project: the ~1B Llama preset on one CUDA GPU (NCCL, world size 1),
-then the project's own tests/test_gpu.py, in one command that writes one JSON file.
+"""GPU benchmark of a rendered project: the ~1B Llama preset on one CUDA GPU (NCCL, world size 1), then
+long sequences over every GPU of the machine, and the project's own tests/test_gpu.py, in one command
+that writes one JSON file.
 
     python bench/gpu.py --json gpu.json       # meant to end within 10 minutes on one H100 or H200 (not yet run on one)
     python bench/gpu.py --dry-run             # the same code path on CPU: a tiny model, gloo, in a minute or two
@@ -9,19 +10,23 @@ It needs the template's test environment with a CUDA build of torch (`pip instal
 without the CPU wheel index). Each run is bf16 at the preset's sequence length and micro-batch,
 one micro-batch per step: eager with activation checkpointing none, selective and full, compiled
 (inductor) with none, and, where the GPU has float8 tensor cores (sm 8.9+), compiled float8
-tensorwise and rowwise. Each row gives the median step time, tokens/s, MFU (against the GPU's
-dense bf16 peak), the peak of torch.cuda.max_memory_allocated and that peak over the memory plan's
-estimate (the plan aims to be within 15%); float8 rows also give their tokens/s over the compiled
-bf16 row's. tests/test_gpu.py then compares the plan with the measured peak on a smaller model.
-Runs that would start after --max-minutes are listed as not run, and a run that fails or takes
-over 5 minutes is listed with its error (in the JSON file) while the others still run, so a session
-with a few minutes of GPU time always gets its JSON file; the command exits 1 if a run failed.
+tensorwise and rowwise. Then long sequences, 32,768, 65,536 and 131,072 tokens, one a step, eager
+with full recomputation, each split over every GPU of the machine by context parallelism (the
+degree is the number of GPUs, on as many ranks; on one GPU, none). Each row gives the median step
+time, tokens/s per GPU, MFU (against the GPU's dense bf16 peak), the peak of
+torch.cuda.max_memory_allocated and that peak over the memory plan's estimate (the plan aims to be
+within 15%); float8 rows also give their tokens/s over the compiled bf16 row's. tests/test_gpu.py
+then compares the plan with the measured peak on a smaller model. Runs that would start after
+--max-minutes are listed as not run, and a run that fails or takes over 5 minutes is listed with
+its error (in the JSON file) while the others still run, so a session with a few minutes of GPU
+time always gets its JSON file; the command exits 1 if a run failed.
 
 Without a CUDA GPU it says so in one line and exits 1. --dry-run runs every step on CPU ranks: the
-debug-sized model, gloo, compiled rows through aot_eager (graph capture, no code generation), float8
-rows through torch's reference float8 matmul (no float8 kernels), and MFU against a stand-in peak
-of 1 TFLOP/s; tests/test_gpu.py skips itself there. Its figures mean nothing; tests/test_bench.py
-runs it to keep this file from rotting between GPU sessions.
+debug-sized model, gloo, the long sequences as 32, 64 and 128 tokens over 2 ranks, compiled rows
+through aot_eager (graph capture, no code generation), float8 rows through torch's reference float8
+matmul (no float8 kernels), and MFU against a stand-in peak of 1 TFLOP/s; tests/test_gpu.py skips
+itself there. Its figures mean nothing; tests/test_bench.py runs it to keep this file from rotting
+between GPU sessions.
 """
 
 from __future__ import annotations
@@ -46,6 +51,8 @@ TINY = ["--model.dim", "32", "--model.n_layers", "2", "--model.n_heads", "2", "-
         "--model.ffn_hidden_dim", "64", "--model.vocab_size", "256", "--model.max_seq_len", "16",
         "--train.seq_len", "16", "--device", "cpu", "--dist.backend", "gloo",
         "--parallel.compile_backend", "aot_eager", "--metrics.peak_tflops", "1"]  # fmt: skip
+LONG = (32768, 65536, 131072)
+"""Tokens per sequence of the context-parallel rows (--dry-run: these / 1024 on CPU ranks)."""
 RUN_TIMEOUT_S = 300
 """A run that takes longer is stopped and reported as failed: the others still run."""
 
@@ -55,19 +62,23 @@ class Variant:
     compile: bool
     ac: str
     float8: str = "none"
+    seq_len: int = 0
+    """A long sequence split over the machine's GPUs by context parallelism (0: the preset's, on one GPU)."""
 
     @property
     def name(self) -> str:
         precision = f"float8 {self.float8}" if self.float8 != "none" else "bf16"
-        return f"{precision}, {'compiled' if self.compile else 'eager'}, AC {self.ac}"
+        long = f", {self.seq_len:,} tokens over every GPU (context parallel)" if self.seq_len else ""
+        return f"{precision}, {'compiled' if self.compile else 'eager'}, AC {self.ac}{long}"
 
 
 # In the order they run, most wanted first: --max-minutes cuts the last ones.
 BF16 = [Variant(False, "none"), Variant(True, "none")]
 FLOAT8 = [Variant(True, "none", "tensorwise"), Variant(True, "none", "rowwise")]
 MORE_AC = [Variant(False, "selective"), Variant(False, "full")]
+CONTEXT_PARALLEL = [Variant(False, "full", seq_len=seq) for seq in LONG]
 TEST_GPU = "generated tests/test_gpu.py: plan vs torch.cuda.max_memory_allocated"
-RUNS = [*BF16, *FLOAT8, TEST_GPU, *MORE_AC]
+RUNS = [*BF16, *FLOAT8, TEST_GPU, *CONTEXT_PARALLEL, *MORE_AC]
 ROWS = [run if run == TEST_GPU else run.name for run in RUNS]
 """Every row, in order (on a GPU without float8 tensor cores, less the float8 rows)."""
 
@@ -84,15 +95,31 @@ def execute(cmd: list[str], project: Path, env: dict) -> subprocess.CompletedPro
     return done
 
 
+def long_sequence(variant: Variant, dry_run: bool) -> tuple[int, list[str]]:
+    """Ranks and arguments of a context-parallel row: one sequence a step, split over every GPU (2 CPU ranks with
+    --dry-run), planned for that many."""
+    if not variant.seq_len:
+        return 1, []
+    import torch
+
+    ranks = 2 if dry_run else torch.cuda.device_count()
+    seq = variant.seq_len // 1024 if dry_run else variant.seq_len
+    return ranks, ["--train.seq_len", str(seq), "--model.max_seq_len", str(max(seq, 128)), "--train.micro_batch_size",
+                   "1", "--train.global_batch_size", "1", "--parallel.context_parallel", str(ranks),
+                   "--hardware.gpus_per_node", str(ranks)]  # fmt: skip
+
+
 def run_variant(project: Path, run: Path, variant: Variant, steps: int, warmup: int, dry_run: bool) -> dict:
-    """Train `steps` steps of one variant on one rank; its figures, medians over the steps after `warmup`."""
+    """Train `steps` steps of one variant (on one rank, or a long sequence over every GPU); its figures, medians
+    over the steps after `warmup`."""
     overrides = ["--train.steps", str(steps), "--train.warmup_steps", str(warmup), "--train.global_batch_size",
                  str(ANSWERS["micro_batch_size"]), "--checkpoint.interval", "100000", "--checkpoint.export", "none",
                  "--eval.interval", "0", "--metrics.progress_bar", "False", "--parallel.compile", str(variant.compile),
                  "--parallel.activation_checkpointing", variant.ac, "--parallel.float8", variant.float8]  # fmt: skip
+    ranks, long = long_sequence(variant, dry_run)
     config = ["--config", str(project / "configs" / "1b.toml"), "--run_dir", str(run), *overrides,
-              *(TINY if dry_run else [])]  # fmt: skip
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+              *(TINY if dry_run else []), *long]  # fmt: skip
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
            "-m", "bench_gpu.train", *config]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(project / "src")}
     if dry_run:
@@ -109,6 +136,7 @@ def run_variant(project: Path, run: Path, variant: Variant, steps: int, warmup: 
                     finetune=cfg.finetune)  # fmt: skip
     peak, planned = max(r["peak_mem_gib"] for r in records), plan.total / GIB
     return {
+        **({"context_parallel": float(cfg.parallel.context_parallel)} if variant.seq_len else {}),
         "step_time_s": statistics.median(r["step_time_s"] for r in records),
         "tokens_per_s": statistics.median(r["tokens_per_s_per_device"] for r in records),
         # None where metrics.py knows no peak FLOP/s for this GPU (add it to PEAK_TFLOPS in hooks/presets.jinja).
@@ -175,7 +203,8 @@ def table(results: dict) -> str:
             continue
         ratio = f"{f['tokens_over_compiled_bf16']:.2f}" if "tokens_over_compiled_bf16" in f else ""
         mfu = "n/a" if f["mfu_pct"] is None else f"{f['mfu_pct']:.1f}%"
-        lines.append([row["name"], f"{f['step_time_s'] * 1e3:,.0f}", f"{f['tokens_per_s']:,.0f}", ratio, mfu,
+        name = row["name"] + (f" (degree {f['context_parallel']:.0f})" if "context_parallel" in f else "")
+        lines.append([name, f"{f['step_time_s'] * 1e3:,.0f}", f"{f['tokens_per_s']:,.0f}", ratio, mfu,
                       f"{f['peak_gib']:.1f}", f"{f['plan_gib']:.1f}", f"{f['peak_over_plan']:.2f}"])  # fmt: skip
     header = ["run", "step ms", "tokens/s", "vs compiled bf16", "MFU", "peak GiB", "plan GiB", "peak / plan"]
     out = [markdown(header, lines, "lrrrrrrr")]
