@@ -157,7 +157,7 @@ REFUSED = {
     "context_parallel_splits_the_sequence": (
         {"seq_len": 8200, "context_parallel": 8},
         "context_parallel",
-        "answer 1, 2 or 4 (2 x context_parallel divides seq_len=8200)",
+        "answer 1, 2 or 4 (2 x it divides seq_len=8200)",
     ),
     "context_parallel_too_small": (
         {"seq_len": 131072, "context_parallel": 2},
