@@ -167,7 +167,7 @@ REFUSED = {
     "context_parallel_without_a_plan": (
         {"model_type": "custom", "context_parallel": 2},
         "context_parallel",
-        "answer 1: custom has no context-parallel plan (only llama does)",
+        "answer 1 (custom has no plan for it)",
     ),
     "context_parallel_zero": ({"context_parallel": 0}, "context_parallel", "must be at least 1"),
     "context_parallel_with_ddp": (
