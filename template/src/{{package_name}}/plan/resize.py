@@ -22,6 +22,7 @@ from . import (
     host_plan_for,
     plan_for,
     recommend,
+    recommend_context_parallel,
     recommend_tensor_parallel,
 )
 
@@ -80,10 +81,10 @@ def with_answers(
     """The train, parallel and hardware sub-configs as `copier update -d answers` would render them on
     `live`, keeping the micro-batches per step (the global batch follows the data-parallel ranks)."""
     parallel_keys = ("mixed_precision", "compile", "sharding", "activation_checkpointing", "cpu_offload",
-                     "tensor_parallel")  # fmt: skip
+                     "tensor_parallel", "context_parallel")  # fmt: skip
     new = replace(parallel, **{k: answers[k] for k in parallel_keys if k in answers})
     micro = answers.get("micro_batch_size", train.micro_batch_size)
-    dp = live.gpus_per_node * live.num_nodes // new.tensor_parallel
+    dp = max(live.gpus_per_node * live.num_nodes // (new.tensor_parallel * new.context_parallel), 1)
     accum = grad_accum(train=train, parallel=parallel, hardware=hardware)
     batch = replace(train, micro_batch_size=micro, global_batch_size=micro * dp * accum,
                     seq_len=answers.get("seq_len", train.seq_len))  # fmt: skip
@@ -129,8 +130,10 @@ def resize(
             answers[key] = new
     fixed = dict(model=model, finetune=finetune, checkpoint=checkpoint)
     replan = dict(train=train, parallel=parallel, hardware=hardware, live=live)
-    if model.preset not in ("debug", "vit-debug"):  # only preset configs carry a tensor-parallel degree
+    if model.preset not in ("debug", "vit-debug"):  # only preset configs carry a tensor- or context-parallel degree
         answers |= tensor_parallel_answers(**fixed, **with_answers(**replan, answers=answers))
+        if parallel.context_parallel > 1:  # a repo planned without it keeps its sequence, or halves it as before
+            answers |= context_parallel_answers(**fixed, **with_answers(**replan, answers=answers))
     if live.accelerator != "cpu" and cheapest(**fixed, **with_answers(**replan, answers=answers)) is None:
         answers |= fitting_batch(**fixed, **with_answers(**replan, answers=answers))
     ac, sharding, offload = recommend(**fixed, **with_answers(**replan, answers=answers))
@@ -174,6 +177,19 @@ def tensor_parallel_answers(
         return {}
     estimate = estimate_tensor_parallel(**args, degree=best, base_micro_batch=base)
     return {"tensor_parallel": best, "micro_batch_size": estimate.micro_batch_size if estimate else base * best}
+
+
+def context_parallel_answers(
+    *, model: ModelConfig, train: TrainConfig, parallel: ParallelConfig, hardware: HardwareConfig,
+    finetune: FinetuneConfig, checkpoint: CheckpointConfig,
+) -> dict:  # fmt: skip
+    """context_parallel for the new hardware, when the planner's degree (the smallest with which one sequence
+    fits, as copier plans it) differs from the config's: a node with fewer GPUs may not hold its group, a
+    larger device may not need it."""
+    one = replace(train, micro_batch_size=1)
+    best = recommend_context_parallel(model=model, train=one, parallel=parallel, hardware=hardware,
+                                      finetune=finetune, checkpoint=checkpoint)  # fmt: skip
+    return {} if best == parallel.context_parallel else {"context_parallel": best}
 
 
 def update_command(answers: dict) -> str:
