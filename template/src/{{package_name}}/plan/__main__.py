@@ -14,7 +14,7 @@ from pathlib import Path
 from .. import hardware
 from ..config import EXIT_USAGE, Config, load_config
 from . import host_plan_for, plan_for
-from .check import degree_fix
+from .check import cp_degree_fix, degree_fix
 from .report import format_table
 from .resize import detect_inputs, detect_report, live_hardware, resize, shortfall, with_answers
 
@@ -68,11 +68,17 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as error:  # a config that cannot be built: one line, as the trainer refuses it
         print(f"{__package__}: error: {error}", file=sys.stderr)
         raise SystemExit(EXIT_USAGE) from None
-    hw, degree = cfg.hardware, cfg.parallel.tensor_parallel
+    hw, degree, cp = cfg.hardware, cfg.parallel.tensor_parallel, cfg.parallel.context_parallel
+    sub = {k: v for k, v in planned(cfg).items() if k != "checkpoint"}
     if hw.gpus_per_node % degree:
         why = f"parallel.tensor_parallel={degree} does not divide the planned hardware.gpus_per_node={hw.gpus_per_node}"
-        fix = degree_fix(**{k: v for k, v in planned(cfg).items() if k != "checkpoint"}, memory_gb=hw.gpu_memory_gb)
-        print(f"{__package__}: error: {why}: {fix}", file=sys.stderr)
+        print(f"{__package__}: error: {why}: {degree_fix(**sub, memory_gb=hw.gpu_memory_gb)}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE)
+    if hw.gpus_per_node % (degree * cp):
+        why = (
+            f"parallel.context_parallel={cp} x tensor_parallel={degree} does not divide {hw.gpus_per_node} GPUs a node"
+        )
+        print(f"{__package__}: error: {why}: {cp_degree_fix(**sub, memory_gb=hw.gpu_memory_gb)}", file=sys.stderr)
         raise SystemExit(EXIT_USAGE)
     if args.json:
         chosen = plan_for(**{k: v for k, v in planned(cfg).items() if k != "checkpoint"})
