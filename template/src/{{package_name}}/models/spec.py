@@ -4,8 +4,10 @@ Each model module defines its hyperparameters (a dataclass extending `ModelConfi
 table of a config that names it) and `SPEC = ModelSpec(...)`; models/__init__.py maps
 `model.name` to the module. From the spec, config/ types and checks `[model]` (`config`),
 plan/ sizes memory and metrics.py counts FLOPs (`shape`: sizes and cost terms), data/ feeds `inputs`,
-weights.py maps the weights to and from Hugging Face (`hf`, a state-dict adapter), models/lora.py places adapters
-(`lora`), and parallelize.py splits the model for tensor parallelism (`tp_plan`). The nn.Module it
+weights.py maps the weights to and from Hugging Face (`hf`, a state-dict adapter, which also declares
+the config.json fields that change what the model computes), models/lora.py places adapters
+(`lora`), parallelize.py splits the model for tensor parallelism (`tp_plan`), and generate.py
+keeps its keys and values between tokens (`kv_cache`, a KVCache). The nn.Module it
 builds meets the module contract in models/__init__.py. Plain Python and torch: nothing here
 imports torch.distributed, or the rest of the repo (config/ imports the models, never the other
 way round).
