@@ -7,14 +7,16 @@
 The weights (`--weights`): a DCP checkpoint (`<run_dir>/checkpoints/step_*`), saved at any world
 size and read whole into this process as convert.py reads it (a LoRA run's adapters merged in), or
 a directory of safetensors files (an export, or a Hugging Face model, checked as checkpoint.init_from
-is). Without `--weights`: the run's newest complete checkpoint, else checkpoint.init_from. Text goes
-through `data.tokenizer`, the tokenizer `data prepare` used; with synthetic data or no tokenizer,
-prompts and outputs are token ids. `--chat` renders chats with the tokenizer's chat template (for
-models fine-tuned on chats). Greedy unless `--temperature` is above 0; `--top-k` and `--top-p` narrow
-the sampling, `--seed` repeats it. Models with a key/value cache (SPEC.kv_cache: the built-in
-decoder's, transformers' own for hf_causal_lm) run the prompt once, then one token a step; the others
-recompute the sequence for every token. Bad input is refused in one line naming the fix, with exit
-code 2 (config.EXIT_USAGE), as the trainer and `data prepare` refuse it.
+is). Without `--weights`: checkpoint.resume's checkpoint, or the run's newest complete one, else
+checkpoint.init_from. Text goes through `data.tokenizer`, the tokenizer `data prepare` used; with
+synthetic data or no tokenizer, prompts and outputs are token ids. `--chat` renders chats with the
+tokenizer's chat template (for models fine-tuned on chats). Greedy unless `--temperature` is above 0;
+`--top-k` and `--top-p` narrow the sampling, `--seed` repeats it. Models with a key/value cache
+(SPEC.kv_cache: the built-in decoder's, transformers' own for hf_causal_lm) run the prompt once, then
+one token a step; the others recompute the sequence for every token. Bad input is refused in one line
+naming the fix, with exit code 2 (config.EXIT_USAGE), as the trainer and `data prepare` refuse it.
+It is a tool of its own, not a step of training: a validation-time sample (eval.sample_prompts) would
+run forwards of new lengths through compiled, tensor-parallel blocks built for train.seq_len.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import contextlib
 import json
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -138,11 +141,14 @@ def build_for_generation(spec: ModelSpec, cfg: ModelConfig, state: dict[str, tor
 
 
 def find_weights(weights: Path | None, *, checkpoint: CheckpointConfig, run_dir: Path) -> Path:
-    """The weights to generate from: `weights`, else the run's newest complete checkpoint, else checkpoint.init_from."""
+    """The weights to generate from: `weights`, else checkpoint.resume's checkpoint when it names one, else the run's
+    newest complete checkpoint, else checkpoint.init_from."""
     if weights is not None:
         if not weights.exists():
             raise UsageError(f"--weights {weights}: no such file or directory")
         return weights
+    if checkpoint.resume not in ("auto", "never"):  # the checkpoint this run's config names
+        return find_weights(Path(checkpoint.resume), checkpoint=checkpoint, run_dir=run_dir)
     steps = checkpoint_steps(run_dir / "checkpoints")
     if steps:
         return steps[max(steps)]
@@ -165,7 +171,9 @@ def read_weights(
         if problem:
             raise UsageError(f"--weights {path}: not a complete checkpoint ({problem}); name a step_* that finished")
         try:
-            return load_checkpoint(path, model, finetune)
+            with warnings.catch_warnings():  # DCP says it reads in one process: that is the point here
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                return load_checkpoint(path, model, finetune)
         except ValueError as error:  # a checkpoint of the other finetune.method
             raise UsageError(f"--weights {path}: {error}") from None
     try:
