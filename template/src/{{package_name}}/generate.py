@@ -253,7 +253,7 @@ def read_prompts(args: argparse.Namespace, tokens: Tokens) -> list[tuple[str, li
             try:
                 messages = json.loads(line)["messages"] if line.strip() else None
             except (ValueError, KeyError, TypeError):
-                raise UsageError(f'{where}: not a chat: one JSON object a line, {{"messages": [...]}}') from None
+                raise UsageError(where + ': not a chat: one JSON object a line, {"messages": [...]}') from None
             if messages:
                 prompts.append(("", tokens.chat(messages, where)))
         return prompts
