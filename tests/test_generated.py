@@ -19,6 +19,8 @@ from answers import (
     FAULTS,
     FLOAT8,
     FULL,
+    GENERATE,
+    HF_CONFIG,
     HOST_MEMORY,
     LORA,
     PRETRAINED,
@@ -39,7 +41,8 @@ RUN_ON_CPU = {
     "checkpoint_format": {"dcp", "dcp_async"},
 }
 # The full-tier selections that one render of the matrix runs on its own (answers.py says which).
-OWN = ["faults", "strategies", "tensor_parallel", "float8", "sft", "lora", "pretrained", "compiled", "host_memory"]
+OWN = ["faults", "strategies", "tensor_parallel", "float8", "sft", "lora", "pretrained", "compiled", "host_memory",
+       "generate", "hf_config"]  # fmt: skip
 
 
 def test_smoke_renders_cover_every_choice_that_runs_on_cpu(rendered):
@@ -86,6 +89,11 @@ def test_generated_smoke_rules_and_plan(rendered, name):
         must.append("test_smoke.py::test_compiled_run_trains_and_resumes")
     if name in HOST_MEMORY:
         must.append("test_plan.py::test_host_plan_matches_resident_memory")
+    model_type = yaml.safe_load((rendered[name] / ".copier-answers.yml").read_text())["model_type"]
+    if model_type in ("llama", "hf_causal_lm"):  # greedy generation against transformers' generate
+        must.append("test_generate.py::test_greedy_llama_with_llama31_rope_scaling_picks_transformers_tokens")
+    if model_type == "hf_causal_lm":  # model.hf_config: one description of the model, fp32 whatever the file says
+        must.append("test_hf_config.py::test_a_model_that_disagrees_with_hf_config_is_refused_and_the_fix_agrees")
     run_generated(rendered[name], " or ".join(["not full", *extra]), *must)
 
 
@@ -185,4 +193,24 @@ def test_generated_transformers_tensor_parallel_trains_loads_on_one_rank_and_exp
         "tensor_parallel and not once",
         "test_tensor_parallel.py::test_2x2_trains_to_the_golden_losses",
         "test_tensor_parallel.py::test_2x2_export_loads_in_transformers_with_the_same_logits",
+    )
+
+
+@pytest.mark.parametrize("name", GENERATE)
+def test_generated_generate_reads_checkpoints_and_exports_and_refuses_bad_input(rendered, name):
+    run_generated(
+        rendered[name],
+        "generate",
+        "test_generate.py::test_a_checkpoint_saved_at_world_size_2_generates_what_its_export_does",
+        "test_generate.py::test_bad_input_is_one_line_and_exit_code_2",
+    )
+
+
+@pytest.mark.parametrize("name", HF_CONFIG)
+def test_generated_hf_config_keeps_fp32_and_one_description(rendered, name):
+    run_generated(
+        rendered[name],
+        "hf_config",
+        "test_hf_config.py::test_a_bf16_config_json_trains_fp32_and_validates_to_transformers_loss",
+        "test_hf_config.py::test_the_tensor_parallel_export_equals_the_fsdp_export",
     )
