@@ -122,95 +122,90 @@ def test_generated_checkpoints_and_errors(rendered, name):
     )
 
 
-@pytest.mark.parametrize("name", FAULTS)
-def test_generated_crash_recovery(rendered, name):
-    run_generated(rendered[name], "faults", "test_faults.py::test_killed_job_resumes_bit_identically")
-
-
-@pytest.mark.parametrize("name", STRATEGIES)
-def test_generated_strategies_match_the_golden_losses(rendered, name):
-    out = run_generated(rendered[name], "strategies", "test_strategies.py::test_strategy_matches_the_golden_losses")
-    assert " skipped" not in out, out[-2000:]  # every strategy applies to the debug model
-
-
-@pytest.mark.parametrize("name", FLOAT8)
-def test_generated_float8_converts_trains_and_checkpoints(rendered, name):
-    run_generated(
-        rendered[name],
+# The selections of the full tier that one render each runs (answers.py says which): the marker expression, the
+# renders, and the tests that must be among those that passed.
+SELECTIONS = {
+    "crash_recovery": ("faults", FAULTS, ["test_faults.py::test_killed_job_resumes_bit_identically"]),
+    "strategies_golden_losses": (
+        "strategies",
+        STRATEGIES,
+        ["test_strategies.py::test_strategy_matches_the_golden_losses"],
+    ),
+    "float8": (
         "float8",
-        "test_float8.py::test_float8_trains_under_fsdp_and_resumes_exactly",
-        "test_float8.py::test_a_float8_checkpoint_continues_in_bf16_with_close_losses",
-    )
-
-
-@pytest.mark.parametrize("name", SFT)
-def test_generated_sft_masks_packs_and_matches_one_process(rendered, name):
-    run_generated(
-        rendered[name],
+        FLOAT8,
+        [
+            "test_float8.py::test_float8_trains_under_fsdp_and_resumes_exactly",
+            "test_float8.py::test_a_float8_checkpoint_continues_in_bf16_with_close_losses",
+        ],
+    ),
+    "sft": (
         "sft",
-        "test_sft.py::test_unscored_targets_contribute_exactly_zero_gradient",
-        "test_sft.py::test_two_ranks_train_to_the_losses_of_one_process",
-        "test_sft.py::test_prepare_packs_the_chats_and_scores_only_the_replies",
-    )
-
-
-@pytest.mark.parametrize("name", LORA)
-def test_generated_lora_trains_only_adapters_and_exports_merged_weights(rendered, name):
-    run_generated(
-        rendered[name],
+        SFT,
+        [
+            "test_sft.py::test_unscored_targets_contribute_exactly_zero_gradient",
+            "test_sft.py::test_two_ranks_train_to_the_losses_of_one_process",
+            "test_sft.py::test_prepare_packs_the_chats_and_scores_only_the_replies",
+        ],
+    ),
+    "lora": (
         "lora",
-        "test_lora.py::test_resuming_with_the_other_finetune_method_is_refused_before_the_process_group",
-        "test_lora.py::test_activation_bytes_per_block_match_the_plan",
-    )
-
-
-@pytest.mark.parametrize("name", PRETRAINED)
-def test_generated_pretrained_llama3_weights_compute_transformers_logits(rendered, name):
-    run_generated(
-        rendered[name],
+        LORA,
+        [
+            "test_lora.py::test_resuming_with_the_other_finetune_method_is_refused_before_the_process_group",
+            "test_lora.py::test_activation_bytes_per_block_match_the_plan",
+        ],
+    ),
+    "pretrained": (
         "pretrained",
-        "test_pretrained.py::test_read_through_init_from_at_world_size_2_it_computes_transformers_logits",
-        "test_pretrained.py::test_the_export_loads_back_in_transformers_with_the_same_logits",
-    )
-
-
-@pytest.mark.parametrize("name", TENSOR_PARALLEL)
-def test_generated_tensor_parallel_trains_reshards_and_exports(rendered, name):
-    run_generated(
-        rendered[name],
+        PRETRAINED,
+        [
+            "test_pretrained.py::test_read_through_init_from_at_world_size_2_it_computes_transformers_logits",
+            "test_pretrained.py::test_the_export_loads_back_in_transformers_with_the_same_logits",
+        ],
+    ),
+    "tensor_parallel": (
         "tensor_parallel",
-        "test_tensor_parallel.py::test_2x2_trains_to_the_golden_losses",
-        "test_tensor_parallel.py::test_2x2_checkpoint_reshards_to_2x2_and_data_parallel_4",
-        "test_tensor_parallel.py::test_a_group_larger_than_the_node_is_refused_at_launch",
-    )
-
-
-@pytest.mark.parametrize("name", TRANSFORMERS_TENSOR_PARALLEL)
-def test_generated_transformers_tensor_parallel_trains_loads_on_one_rank_and_exports(rendered, name):
+        TENSOR_PARALLEL,
+        [
+            "test_tensor_parallel.py::test_2x2_trains_to_the_golden_losses",
+            "test_tensor_parallel.py::test_2x2_checkpoint_reshards_to_2x2_and_data_parallel_4",
+            "test_tensor_parallel.py::test_a_group_larger_than_the_node_is_refused_at_launch",
+        ],
+    ),
     # What the built-in model's run already shows for every model (marked `once`) runs in TENSOR_PARALLEL only.
-    run_generated(
-        rendered[name],
+    "transformers_tensor_parallel": (
         "tensor_parallel and not once",
-        "test_tensor_parallel.py::test_2x2_trains_to_the_golden_losses",
-        "test_tensor_parallel.py::test_2x2_export_loads_in_transformers_with_the_same_logits",
-    )
-
-
-@pytest.mark.parametrize("name", GENERATE)
-def test_generated_generate_reads_checkpoints_and_exports_and_refuses_bad_input(rendered, name):
-    run_generated(
-        rendered[name],
+        TRANSFORMERS_TENSOR_PARALLEL,
+        [
+            "test_tensor_parallel.py::test_2x2_trains_to_the_golden_losses",
+            "test_tensor_parallel.py::test_2x2_export_loads_in_transformers_with_the_same_logits",
+        ],
+    ),
+    "text_generation": (
         "generate",
-        "test_generate.py::test_a_checkpoint_saved_at_world_size_2_generates_what_its_export_does",
-        "test_generate.py::test_bad_input_is_one_line_and_exit_code_2",
-    )
-
-
-@pytest.mark.parametrize("name", HF_CONFIG)
-def test_generated_hf_config_keeps_fp32_and_one_description(rendered, name):
-    run_generated(
-        rendered[name],
+        GENERATE,
+        [
+            "test_generate.py::test_a_checkpoint_saved_at_world_size_2_generates_what_its_export_does",
+            "test_generate.py::test_bad_input_is_one_line_and_exit_code_2",
+        ],
+    ),
+    "hf_config_one_description": (
         "hf_config",
-        "test_hf_config.py::test_a_bf16_config_json_trains_fp32_and_validates_to_transformers_loss",
-        "test_hf_config.py::test_the_tensor_parallel_export_equals_the_fsdp_export",
-    )
+        HF_CONFIG,
+        [
+            "test_hf_config.py::test_a_bf16_config_json_trains_fp32_and_validates_to_transformers_loss",
+            "test_hf_config.py::test_the_tensor_parallel_export_equals_the_fsdp_export",
+        ],
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    ("selection", "name"), [(selection, name) for selection, (_, names, _) in SELECTIONS.items() for name in names]
+)
+def test_generated_selection(rendered, selection, name):
+    marks, _, must_pass = SELECTIONS[selection]
+    out = run_generated(rendered[name], marks, *must_pass)
+    if selection == "strategies_golden_losses":
+        assert " skipped" not in out, out[-2000:]  # every strategy applies to the debug model
