@@ -184,3 +184,12 @@ HOST_MEMORY = ["cpu_debug"]
 # golden losses, its checkpoint loaded on one rank and its export (two launches). The reshards, the eager
 # pair and the refused launch exercise what the built-in model's run above already does.
 TRANSFORMERS_TENSOR_PARALLEL = ["ada_offload"]
+# GENERATE: `python -m <pkg>.generate` from a checkpoint trained at world size 2 and from its export, and its
+# refusals (tests/test_generate.py's launches and subprocesses), which the FULL renders leave out. Every llama
+# and hf_causal_lm render has the file, whose fast tests (greedy tokens against transformers' generate, the
+# built-in llama's Llama 3.1 rotary scaling included) run in the fast tier; a transformers render runs both models.
+GENERATE = ["ada_offload"]
+# HF_CONFIG: a transformers Mistral built from a bf16 config.json (model.hf_config) trained in fp32 under FSDP and
+# under tensor parallelism (tests/test_hf_config.py, two launches), in the one render whose model is hf_causal_lm
+# among the SMOKE renders (its refusals run in its fast tier).
+HF_CONFIG = ["ada_offload"]
