@@ -303,7 +303,7 @@ class ContextParallelPlan:
     two chunks of every sequence (context_parallel.py), and attention, the one part of a block that mixes
     positions, sees them whole.
 
-    A model with a plan takes `forward(inputs, positions=None)`: `positions` (seq,) are where this rank's
+    A model with a plan takes `forward(inputs, *, positions=None)`: `positions` (seq,) are where this rank's
     tokens sit in their sequence, for position embeddings (the decoder's rotary table). Its attention computes
     through a submodule of its own, `forward(q, k, v, *, causal)` on (batch, heads, seq, head_dim) tensors
     without parameters (models/llama/model.py's AttentionCore), which context_parallel.py wraps so that it

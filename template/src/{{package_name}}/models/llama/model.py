@@ -261,7 +261,7 @@ class Llama(nn.Module):
         self.register_buffer("rope", model_rope_cache(cfg), persistent=False)
 
     def forward(
-        self, tokens: torch.Tensor, positions: torch.Tensor | None = None, cache: KVCache | None = None
+        self, tokens: torch.Tensor, *, positions: torch.Tensor | None = None, cache: KVCache | None = None
     ) -> torch.Tensor:
         """Logits of every position of `tokens` (batch, seq). `positions` (seq,) are where in their sequence those
         tokens sit, when they are not 0 .. seq - 1: context parallelism gives a rank two chunks of every sequence
