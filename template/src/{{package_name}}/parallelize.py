@@ -65,6 +65,7 @@ _SAVE_OPS = {
     torch.ops.aten.mm.default,
     torch.ops.aten.addmm.default,
     torch.ops.aten.bmm.default,
+    torch.ops.aten._grouped_mm.default,  # a mixture of experts' expert matmuls
     torch.ops.aten._scaled_dot_product_flash_attention.default,
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
     torch.ops.aten._scaled_dot_product_cudnn_attention.default,
@@ -248,7 +249,7 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig) -> None:
     )
     reshard = reshard_after_forward(cfg, mesh.size(-1))
     for block in model.layers:
-        shard(block, reshard_after_forward=reshard)
+        shard(block, reshard_after_forward=reshard, shard_placement_fn=shard_placement(block))
     if cfg.prefetch_blocks:
         apply_prefetch(list(model.layers), cfg.prefetch_blocks)
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
@@ -264,6 +265,17 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig) -> None:
             # trigger an immediate re-gather.
             shard(head, reshard_after_forward=False)
     shard(model)
+
+
+def shard_placement(block: nn.Module) -> Callable[[nn.Parameter], Shard | None] | None:
+    """FSDP's dimension for each parameter of `block`: 0 (None), unless its module names another in
+    `fsdp_shard_dim`. A mixture of experts' stacked expert weights (models/qwen3_moe/moe.py) shard along
+    their hidden dimension: the state-dict adapter splits them per expert along the first, and DTensor
+    refuses that split along a sharded dimension, while along another each expert is a view of every
+    rank's shard, which DCP reads and writes in place."""
+    dims = {id(p): Shard(m.fsdp_shard_dim) for m in block.modules() if hasattr(m, "fsdp_shard_dim")
+            for p in m.parameters(recurse=False)}  # fmt: skip
+    return (lambda p: dims.get(id(p))) if dims else None
 
 
 def apply_prefetch(blocks: list[FSDPModule], n: int) -> None:
