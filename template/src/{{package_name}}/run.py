@@ -24,7 +24,15 @@ from torch import nn
 from .checkpoint import CheckpointManager, FaultHook
 from .config import Config, DistConfig, FinetuneConfig, ParallelConfig, TrainConfig
 from .data import HeldOut, Loader, build_held_out, build_loader
-from .distributed import DistEnv, build_mesh, init_process_group, rendezvous_from_env, resolve_backend, resolve_device
+from .distributed import (
+    DistEnv,
+    build_mesh,
+    expert_mesh,
+    init_process_group,
+    rendezvous_from_env,
+    resolve_backend,
+    resolve_device,
+)
 from .evaluate import checkpoint_to_evaluate
 from .metrics import init_logging
 from .models import ModelConfig, ModelSpec, model_spec
@@ -101,8 +109,9 @@ def build_run(cfg: Config, *, env: DistEnv | None = None, faults: FaultHook | No
     ranks = {"rank": env.dp_rank, "world_size": env.dp_size, "device": env.device}
     loader, held_out = build_loader(**data, **ranks), build_held_out(**data, **ranks)
     step_context = build_step_context(
-        parallel=cfg.parallel, train=cfg.train, data_source=cfg.data.source, strategy=strategy, device=env.device
-    )
+        parallel=cfg.parallel, train=cfg.train, data_source=cfg.data.source, strategy=strategy, device=env.device,
+        model=strategy.unwrap(model),
+    )  # fmt: skip
     state = TrainState(model, optimizer, scheduler, loader, env.rank, strategy)
     return Run(cfg, env, strategy, spec, model, optimizer, scheduler, loader, held_out, checkpoints, state,
                step_context, resume)  # fmt: skip
@@ -120,9 +129,10 @@ def init_distributed(*, device: str, dist: DistConfig, parallel: ParallelConfig,
     tp = parallel.tensor_parallel
     shard_size = parallel.hsdp_shard_size or rdzv.local_world_size // tp
     mesh = build_mesh(parallel.sharding, on.type, rdzv.world_size, shard_size, tp)
+    experts = expert_mesh(mesh, parallel.expert_parallel)
     torch.manual_seed(seed)
-    logger.info("world size %d on %s, backend %s, mesh %s", rdzv.world_size, on, backend, mesh)
-    return DistEnv(rdzv.rank, rdzv.world_size, rdzv.local_world_size, on, backend, mesh, tp)
+    logger.info("world size %d on %s, backend %s, mesh %s", rdzv.world_size, on, backend, experts or mesh)
+    return DistEnv(rdzv.rank, rdzv.world_size, rdzv.local_world_size, on, backend, mesh, tp, experts)
 
 
 def build_model_meta(
@@ -135,7 +145,7 @@ def build_model_meta(
         module = spec.build(model)
     apply_lora(module, finetune=finetune, layout=spec.lora, frozen_dtype=DTYPES[parallel.mixed_precision])
     parallelize(module, parallel=parallel, mesh=env.mesh, tp_plan=spec.tensor_parallel_plan(model),
-                adapter_rank=lora_rank(finetune))  # fmt: skip
+                adapter_rank=lora_rank(finetune), expert_mesh=env.expert_mesh)  # fmt: skip
     # Allocates only this rank's shards (on the host with CPU offload); the contents are garbage.
     module.to_empty(device=env.device)
     module.tie_weights()

@@ -21,6 +21,7 @@ offline: convert.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -40,6 +41,7 @@ from torch.distributed.tensor import DTensor
 
 from .checkpoint import checkpoint_to_resume
 from .config import CheckpointConfig, FinetuneConfig, UsageError
+from .expert_parallel import is_expert_parallel, local_experts
 from .models import ModelConfig, ModelSpec, model_spec
 from .models.config_math import mismatches
 from .models.lora import ADAPTERS, LoraSettings, apply_lora, initial_adapters, merge_adapters, peft_adapter
@@ -80,10 +82,23 @@ class Layout(NamedTuple):
     """Parameter names that alias an earlier one (shared_keys)."""
     names: dict[str, list[int]]
     """Every tensor name the files hold -> its shape."""
+    local_experts: Callable[[StateDict, int], StateDict] | None = None
+    """to_files of this rank's experts under expert parallelism (HFLayout.to_hf_local_experts; None: no adapter
+    to split them, the files hold the weights as they are)."""
 
     def stored(self, state: StateDict) -> StateDict:
         """`state` (this repo's names) as the files hold it."""
-        return self.to_files({k: state[k] for k in self.ours})
+        return self.to_files(self.whole(state)) | self.experts(state)
+
+    def whole(self, state: StateDict) -> StateDict:
+        """The stored weights that to_files maps whole: all, but expert-parallel weights that `experts` maps."""
+        return {k: state[k] for k in self.ours if not (self.local_experts and is_expert_parallel(state[k]))}
+
+    def experts(self, state: StateDict) -> StateDict:
+        """The files' tensors of this rank's experts, under expert parallelism: views of its shards, which DCP
+        reads into in place (expert_parallel.local_experts); empty otherwise."""
+        split = {k: state[k] for k in self.ours if self.local_experts and is_expert_parallel(state[k])}
+        return self.local_experts(*local_experts(split)) if split else {}
 
 
 def file_layout(spec: ModelSpec, cfg: ModelConfig, fmt: str, model: torch.nn.Module | None = None) -> Layout:
@@ -97,7 +112,9 @@ def file_layout(spec: ModelSpec, cfg: ModelConfig, fmt: str, model: torch.nn.Mod
     state = {k: v for k, v in model.state_dict().items() if k not in aliases}
     # On the meta device: the names and shapes the adapter makes, with nothing allocated.
     names = {k: list(v.shape) for k, v in to_files(state).items()}
-    return Layout(to_files, from_files, tuple(state), aliases, names)
+    return Layout(
+        to_files, from_files, tuple(state), aliases, names, spec.hf.to_hf_local_experts if fmt == "hf" else None
+    )
 
 
 def stored_shapes(directory: Path) -> dict[str, list[int]]:
@@ -153,7 +170,13 @@ def match_config(spec: ModelSpec, cfg: ModelConfig, directory: Path) -> None:
     theirs = hf.read_config(directory) if hf else None
     if theirs is None:
         return
-    differences = mismatches(json.loads(hf.config_json(cfg)), theirs)
+    if unmatched := [error.partition(" ")[0] for error in hf.errors(cfg)]:  # options transformers' class lacks
+        raise ValueError(
+            f"it holds a transformers model (config.json) that has no counterpart for {', '.join(unmatched)}, nor "
+            "weights for them: set those to what transformers computes, or start from weights this repo exported "
+            "as safetensors"
+        )
+    differences = mismatches(json.loads(hf.config_json(cfg)), theirs, {f.name for f in dataclasses.fields(cfg)})
     if differences:
         raise ValueError(
             f"its config.json describes a model that computes otherwise than [model]: {'; '.join(differences)}"
@@ -188,12 +211,14 @@ def load_pretrained(model: torch.nn.Module, *, init_from: str, model_cfg: ModelC
     """Read checkpoint.init_from into the (sharded) model: every rank reads only the slices it holds."""
     directory = weights_dir(Path(init_from))
     layout = match_layout(spec, model_cfg, directory)
-    stored = layout.stored(plain_tensors(get_model_state_dict(model)))
-    dcp.load(stored, storage_reader=HuggingFaceStorageReader(str(directory)))
+    state = plain_tensors(get_model_state_dict(model))
+    whole = layout.to_files(layout.whole(state))
+    dcp.load(whole | layout.experts(state), storage_reader=HuggingFaceStorageReader(str(directory)))
     # DCP filled the files' tensors: views of the shards (renamed or transposed) in place, or new ones
-    # (fused). Setting the model from them, mapped back, covers both, and re-ties what it left out (tied heads).
-    set_model_state_dict(model, layout.from_files(stored), options=StateDictOptions(strict=False))
-    logger.info("loaded %s weights from %s", len(stored), directory)
+    # (fused). Setting the model from them, mapped back, covers both, and re-ties what it left out (tied heads);
+    # this rank's experts under expert parallelism were views, filled in place.
+    set_model_state_dict(model, layout.from_files(whole), options=StateDictOptions(strict=False))
+    logger.info("loaded %s weights from %s", len(layout.names), directory)
 
 
 def apply_initial_weights(
@@ -247,9 +272,14 @@ def export_weights(
     if is_main and out.exists():
         shutil.rmtree(out)  # a previous export of this run dir (an extended run): replaced whole
     dist.barrier()
+    if layout.local_experts and stored.keys() != layout.names.keys():  # each rank holds some experts' tensors
+        dtype = next(iter(stored.values())).dtype  # every rank must number the files alike: by the whole model
+        stored_or_all = {k: torch.empty(shape, dtype=dtype, device="meta") for k, shape in layout.names.items()}
+    else:
+        stored_or_all = stored
     writer = HuggingFaceStorageWriter(
         str(out),
-        fqn_to_index_mapping=file_index(stored, checkpoint.export_file_gb * 1e9),
+        fqn_to_index_mapping=file_index(stored_or_all, checkpoint.export_file_gb * 1e9),
         save_distributed=True,
         enable_consolidation=True,
     )

@@ -13,6 +13,7 @@ LlamaConfig. Plain Python: nothing here imports torch.
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from pathlib import Path
 
 MATH_FIELDS: dict[str, object] = {
@@ -31,6 +32,13 @@ MATH_FIELDS: dict[str, object] = {
     "attention_bias": False,
     "mlp_bias": False,
     "sliding_window": None,  # None: every position attends to every earlier one
+    # A mixture of experts (Qwen3-MoE); a dense model's file has none of these, and neither does its export.
+    "num_experts": None,
+    "num_experts_per_tok": None,
+    "moe_intermediate_size": None,
+    "norm_topk_prob": False,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
 }
 """The config.json fields that change what a decoder computes, with what each means when a file leaves it out."""
 
@@ -48,6 +56,18 @@ SETTINGS = {
 }
 """The config key that sets each field; no [model] key sets the others (head_dim follows dim / n_heads)."""
 
+MOE_SETTINGS = {
+    "head_dim": "model.head_dim",
+    "num_experts": "model.num_experts",
+    "num_experts_per_tok": "model.num_experts_per_tok",
+    "moe_intermediate_size": "model.moe_intermediate_size",
+    "norm_topk_prob": "model.norm_topk_prob",
+    "decoder_sparse_step": "model.decoder_sparse_step",
+    "mlp_only_layers": "model.mlp_only_layers",
+}
+"""The keys of a mixture of experts' [model] (models/qwen3_moe), for the fields SETTINGS leaves out; a model
+whose [model] has no such key (`fields` of mismatches) is told that no key sets it."""
+
 
 def read_config_json(directory: Path) -> dict | None:
     """The config.json beside the weights in `directory`; None without one (this repo's safetensors export)."""
@@ -60,6 +80,8 @@ def computed_by(config: dict) -> dict:
     math = {field: config.get(field, default) for field, default in MATH_FIELDS.items()}
     heads = math["num_attention_heads"]
     math["num_key_value_heads"] = math["num_key_value_heads"] or heads
+    # Qwen's own files say num_experts; transformers 5 writes the same count as num_local_experts.
+    math["num_experts"] = config.get("num_experts", config.get("num_local_experts"))
     math["head_dim"] = math["head_dim"] or (math["hidden_size"] // heads if heads else None)
     rope = {k: v for k, v in dict(config.get("rope_parameters") or config.get("rope_scaling") or {}).items()
             if v is not None}  # fmt: skip
@@ -71,14 +93,19 @@ def computed_by(config: dict) -> dict:
     return math
 
 
-def mismatches(ours: dict, theirs: dict) -> list[str]:
-    """Every field where `theirs` (the checkpoint's config.json) computes otherwise than `ours`, with the fix."""
+def mismatches(ours: dict, theirs: dict, fields: Collection[str] = ()) -> list[str]:
+    """Every field where `theirs` (the checkpoint's config.json) computes otherwise than `ours`, with the fix;
+    `fields`: the keys of this model's [model], which say whether one of them sets a field."""
     ours, theirs = computed_by(ours), computed_by(theirs)
-    return [_differs(field, theirs[field], ours[field]) for field in MATH_FIELDS if theirs[field] != ours[field]]
+    return [
+        _differs(field, theirs[field], ours[field], fields) for field in MATH_FIELDS if theirs[field] != ours[field]
+    ]
 
 
-def _differs(field: str, theirs: object, ours: object) -> str:
+def _differs(field: str, theirs: object, ours: object, fields: Collection[str] = ()) -> str:
     said = f"{field} is {theirs!r} there and {ours!r} here"
+    if field in MOE_SETTINGS and MOE_SETTINGS[field].removeprefix("model.") in fields:
+        return f"{said} (set {MOE_SETTINGS[field]} = {json.dumps(theirs)})"
     if field == "head_dim":
         return f"{said} (it is model.dim / model.n_heads here)"
     if field not in SETTINGS:

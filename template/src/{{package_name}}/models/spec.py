@@ -40,6 +40,16 @@ class ModelConfig:
         """Every reason this model cannot be built, or trained on `seq_len` tokens per sample (empty when it can)."""
         return []
 
+    def parallel_errors(self, parallel) -> list[str]:
+        """Every setting of `parallel` (the `[parallel]` section, config.ParallelConfig, read by attribute: models/
+        never imports config/) this model cannot be trained with, naming why. A model without experts has
+        nothing for expert parallelism to split."""
+        degree = getattr(parallel, "expert_parallel", 1)
+        if degree > 1:
+            return [f"parallel.expert_parallel={degree}: model.name={self.name} has no experts to split among ranks; "
+                    "set parallel.expert_parallel=1"]  # fmt: skip
+        return []
+
 
 C = TypeVar("C", bound=ModelConfig)
 
@@ -88,6 +98,8 @@ class ModelShape:
     """The linear layers of a block: LoRA's adapters, float8's all-gathers and the largest tensor read them."""
     lookups: int = 0
     """Parameters that are read by index, not multiplied (an embedding other than a tied head): no FLOPs."""
+    experts: int = 0
+    """Routed experts per sparse layer of a mixture of experts (0: a dense model); expert parallelism splits them."""
 
     def activation_bytes(
         self, p: int, ac: str, *, lora_rank: int = 0, lora_targets: str = "all", tensor_parallel: int = 1,
@@ -184,6 +196,12 @@ class HFLayout:
     what it computes with `config_json`'s (models/config_math.py)."""
     config_hint: str = ""
     """Another fix for a config.json that computes otherwise, appended to the refusal."""
+    errors: Callable[[ModelConfig], list[str]] = lambda cfg: []
+    """What keeps transformers' class from computing the model a config describes (export=hf is refused at launch)."""
+    to_hf_local_experts: Callable[[StateDict, int], StateDict] | None = None
+    """`to_hf` under expert parallelism, where each stacked expert weight holds this rank's experts only, the
+    first of them expert `first` (weights.py passes each as a DTensor over the ranks that share those experts,
+    so a slice per expert is a view of this rank's shard); None: the model has no stacked experts."""
 
 
 @dataclass(frozen=True)
@@ -257,6 +275,8 @@ class ModelSpec(Generic[C]):
     (None: parallel.tensor_parallel > 1 is refused, saying `tp_refusal`); read it with `tensor_parallel_plan`."""
     tp_refusal: str = "its module declares no tensor-parallel plan (SPEC.tp_plan, models/spec.py)"
     """Why the model has no tensor-parallel plan, for the refusal."""
+    lora_refusal: str = ""
+    """Why the model has no LoRA layout (SPEC.lora None), for the refusal."""
 
     def tensor_parallel_plan(self, cfg: C) -> TensorParallelPlan | None:
         """The tensor-parallel plan of the model `cfg` describes (None: the model has none)."""

@@ -54,10 +54,12 @@ SPEC = ModelSpec(
     config=Qwen3MoeConfig,
     build=Qwen3Moe,
     shape=moe_shape,
-    hf=HFLayout(to_hf=to_hf, from_hf=from_hf, config_json=config_json),
+    hf=HFLayout(to_hf=to_hf, from_hf=from_hf, config_json=config_json, errors=hf_errors, to_hf_local_experts=to_hf),
     # No LoRA: models/lora.py adapts nn.Linear layers, and the routed experts, where a MoE's weights are,
     # are stacked 3-D parameters (GroupedExperts); adapters on attention alone would train a sliver of it.
     lora=None,
+    lora_refusal="its routed experts, where most of its weights are, are stacked 3-D weights that models/lora.py "
+    "(adapters beside nn.Linear layers) does not adapt",
     # No tensor-parallel plan yet: attention alone would split cleanly (llama's colwise / rowwise, with
     # the per-head q_norm and k_norm replicated), but the experts need expert parallelism's mesh, which
     # is how this model is meant to split; parallel.tensor_parallel > 1 is refused with tp_refusal.

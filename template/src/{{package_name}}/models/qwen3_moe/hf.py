@@ -51,14 +51,15 @@ OURS = re.compile(r"layers\.(\d+)\.moe\.experts\.(w[123])")
 THEIRS = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 
 
-def to_hf(state: StateDict) -> StateDict:
+def to_hf(state: StateDict, first_expert: int = 0) -> StateDict:
     """This model's state dict under the checkpoint files' names, each stacked expert weight split into
-    its experts (views of it, so DCP can read a checkpoint into them in place)."""
+    its experts (views of it, so DCP can read a checkpoint into them in place). Under expert parallelism a
+    stacked weight holds this rank's experts only, numbered from `first_expert` (SPEC.hf.to_hf_local_experts)."""
     out = {}
     for key, tensor in state.items():
         if match := OURS.fullmatch(key):
             layer, weight = match.groups()
-            for e, expert in enumerate(torch.unbind(tensor, 0)):
+            for e, expert in enumerate(torch.unbind(tensor, 0), start=first_expert):
                 out[f"model.layers.{layer}.mlp.experts.{e}.{PROJECTIONS[weight]}.weight"] = expert
         else:
             out[NAMES.rename(key, to_hf=True)] = tensor

@@ -139,6 +139,29 @@ class Qwen3MoeConfig(ModelConfig):
             errors.append(f"model.norm_eps={self.norm_eps} must be > 0")
         return errors
 
+    def parallel_errors(self, parallel) -> list[str]:
+        """The `[parallel]` settings this model cannot train with: an expert-parallel degree that does not divide
+        the experts, float8, and compiled blocks in another precision than bf16."""
+        errors, degree = [], parallel.expert_parallel
+        if degree > 1 and self.num_experts % degree:
+            divisors = [d for d in range(1, self.num_experts + 1) if self.num_experts % d == 0]
+            errors.append(
+                f"parallel.expert_parallel={degree} must divide model.num_experts={self.num_experts}: each rank holds "
+                f"num_experts / degree of them; choose one of {divisors}"
+            )
+        if parallel.float8 != "none":
+            errors.append(
+                f"parallel.float8={parallel.float8}: most of model.name={self.name}'s weights are its experts, stacked "
+                "3-D weights that torchao's Float8Linear does not convert, and its router must score in full "
+                "precision; set parallel.float8=none"
+            )
+        if parallel.compile and parallel.mixed_precision != "bf16":
+            errors.append(
+                f"parallel.compile with parallel.mixed_precision={parallel.mixed_precision}: torch compiles the "
+                "experts' grouped matmuls in bf16 only; set parallel.mixed_precision=bf16, or parallel.compile=false"
+            )
+        return errors
+
 
 class Attention(nn.Module):
     """Qwen3's attention: grouped-query heads of head_dim, each query and key head RMS-normalised before RoPE."""

@@ -24,8 +24,6 @@ class MoeShape(ModelShape):
     """SwiGLU width of the dense layers."""
     shared_f: int = 0
     """Summed SwiGLU width of a sparse layer's shared experts (0: none)."""
-    experts: int = 0
-    """Routed experts per sparse layer."""
     top_k: int = 0
     """Experts per token."""
     sparse_layers: int = 0
