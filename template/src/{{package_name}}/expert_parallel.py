@@ -115,6 +115,7 @@ def apply_ep(layers: nn.ModuleList, mesh: DeviceMesh) -> None:
                 split = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=param.shape,
                                            stride=param.stride())  # fmt: skip
                 experts.register_parameter(name, nn.Parameter(split, param.requires_grad))
+            experts.split_by_expert = True
             module.dispatcher = AllToAllDispatcher(mesh, param.shape[0])
 
 

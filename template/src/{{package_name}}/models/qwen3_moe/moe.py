@@ -126,13 +126,16 @@ class GroupedExperts(nn.Module):
     expert-tensor parallelism then splits each weight's hidden dimension without un-interleaving gate
     from up, torchao's float8 grouped matmuls convert this layout, and each of the checkpoint files'
     per-expert tensors is one slice of one weight. The cost is two grouped matmuls where one could do.
-    Under expert parallelism the weights may be DTensors sharded by expert: forward computes with this
+    Under expert parallelism the weights are DTensors sharded by expert: forward computes with this
     rank's slice (to_local), so num_experts here is the local count.
     """
 
     fsdp_shard_dim = 1
     """FSDP shards these weights along dim 1 (parallelize.shard_placement): the state-dict adapter splits
     them per expert along dim 0, which DTensor allows only along a dimension that is not sharded."""
+    split_by_expert = False
+    """Set by expert parallelism (expert_parallel.apply_ep), whose weights are DTensors sharded by expert. An
+    attribute rather than a look at the weight's type: a compiled block reads it as a constant."""
 
     def __init__(self, num_experts: int, dim: int, hidden: int) -> None:
         super().__init__()
@@ -149,15 +152,12 @@ class GroupedExperts(nn.Module):
         needs bf16 compute.
         """
         offsets = torch.cumsum(counts, 0, dtype=torch.int32)
-        w1, w2, w3 = (_local(w) for w in (self.w1, self.w2, self.w3))
+        w1, w2, w3 = self.w1, self.w2, self.w3
+        if self.split_by_expert:  # this rank's experts
+            w1, w2, w3 = w1.to_local(), w2.to_local(), w3.to_local()
         gate = F.grouped_mm(rows, w1.transpose(-2, -1), offs=offsets)
         up = F.grouped_mm(rows, w3.transpose(-2, -1), offs=offsets)
         return F.grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs=offsets)
-
-
-def _local(weight: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a weight that expert parallelism made a DTensor (duck-typed: no torch.distributed here)."""
-    return weight.to_local() if hasattr(weight, "to_local") else weight
 
 
 class FeedForward(nn.Module):
