@@ -491,6 +491,82 @@ def test_host_memory_of_70b_on_one_24_gib_gpu_by_hand(plan):
     assert cpu.export == 2 * 2 * 5e9 / 2 + 2 * 4 * V * h and cpu.runtime == 2 * GIB
 
 
+def ask(call: str, answers: dict, given: dict | None = None) -> str:
+    """A validator or default of hooks/questions.jinja as copier renders it: `answers` so far in the context, and
+    the answers `given` on the command line (as `-d` hands them over, strings) in `_copier_conf.data`."""
+    macro = call.split("(")[0]
+    template = JINJA.from_string(f"{{% from 'hooks/questions.jinja' import {macro} with context %}}{{{{ {call} }}}}")
+    return template.render(**answers, _copier_conf={"data": given or {}})
+
+
+# Issue 28's Volta case, up to the plan's questions: 8b on 8 x 32 GiB over PCIe, fp16.
+VOLTA = {"accelerator": "cuda", "gpu_arch": "volta", "gpus_per_node": 8, "num_nodes": 1, "gpu_memory_gb": 32,
+         "host_memory_gb": 512, "intra_node_link": "pcie", "inter_node_link": "infiniband", "mixed_precision": "fp16",
+         "model_type": "custom", "finetune": "full", "model_size": "8b", "tensor_parallel": 1,
+         "micro_batch_size": 1}  # fmt: skip
+
+
+def test_a_refused_plan_choice_suggests_a_plan_that_fits_the_answers_given_and_its_figure(plan):
+    a = {**VOLTA, "seq_len": int(ask("default_seq_len()", VOLTA))}
+    # In a terminal the later questions come after: the cheapest plan with full recomputation is the fix.
+    assert ask("ac_choice('selective')", a).startswith("choose activation_checkpointing=full: at best ")
+    # Given DDP without the ZeRO optimizer and without offload on the command line, full recomputation alone
+    # fits nothing (before: "choose activation_checkpointing=full: at best 42.7 GiB per GPU", selective's best
+    # with any sharding): the fix names the answers it changes, and its figure is its own plan's.
+    given = {"sharding": "no_shard", "cpu_offload": "false", "zero_optimizer": "false"}
+    refusal = ask("ac_choice('selective')", a, given)
+    fix = "choose activation_checkpointing=full, sharding=full and cpu_offload=true: at best "
+    assert refusal.startswith(fix) and refusal.endswith(" GiB per GPU, 28.8 usable"), refusal
+    figure = float(refusal[len(fix) :].split()[0])
+    m = plan.memory_plan(shape(plan, "8b"), seq_len=a["seq_len"], micro_batch_size=1, precision="fp16", ac="full",
+                         sharding="full", cpu_offload=True, gpus_per_node=8, num_nodes=1)  # fmt: skip
+    assert figure == round(m.total / GIB, 1) and m.fits(32)
+    # Following half of the fix, the next refusal asks for the rest with the same figure (before: "choose
+    # sharding=full: at best 69.8", DDP's with the ZeRO optimizer the user had turned off).
+    half = ask("sharding_choice('no_shard')", {**a, "activation_checkpointing": "full"}, given)
+    assert half == f"choose sharding=full and cpu_offload=true: at best {figure} GiB per GPU, 28.8 usable"
+    assert ask("offload_choice(false)", {**a, "activation_checkpointing": "full", "sharding": "full"}).startswith(
+        f"choose cpu_offload=true ({figure} GiB): this plan needs "
+    )
+
+
+def test_run_time_refusals_name_only_fixes_that_fit(plan):
+    from dataclasses import replace
+
+    def device(sub: dict):
+        return plan.plan_for(**{k: v for k, v in sub.items() if k != "checkpoint"})
+
+    # 8B planned for 8 x 80 GiB as DDP without recomputation, launched on 32 GiB devices: the settings the
+    # refusal names fit them.
+    cfg = hardware_config("8b", "bf16", 8, 1, 80, "nvlink", "", "hopper")
+    sub = {**subs(cfg), "parallel": replace(cfg.parallel, sharding="no_shard", activation_checkpointing="none")}
+    fix = plan.check.device_fix(**sub, memory_gb=32)
+    named = {f"{a}.{b}": yaml.safe_load(v) for a, b, v in re.findall(r"(\w+)\.(\w+)=(\w+)", fix)}
+    assert named and not device(sub).fits(32), fix
+    for section in ("train", "parallel"):
+        sub[section] = replace(sub[section], **{k.split(".")[1]: v for k, v in named.items() if k.startswith(section)})
+    assert device(sub).fits(32), fix
+    # A node short of RAM for 1B offloaded with async checkpoints: each change the refusal names fits it (and the
+    # GPU); more nodes are named only with the number that does.
+    tight = hardware_config("1b", "bf16", 8, 1, 80, "nvlink", "", "hopper")
+    offloaded = {**subs(tight), "parallel": replace(tight.parallel, sharding="full", cpu_offload=True),
+                 "checkpoint": replace(tight.checkpoint, format="dcp_async")}  # fmt: skip
+    ram = plan.host_plan_for(**offloaded).total / GIB / 0.9 * 0.95
+    fixes = plan.check_host_memory(**offloaded, ranks_per_node=8, ram_gib=ram).split("usable): ", 1)[1]
+    changes = {
+        "parallel.cpu_offload=false": {"parallel": replace(offloaded["parallel"], cpu_offload=False)},
+        "checkpoint.format=dcp": {"checkpoint": replace(offloaded["checkpoint"], format="dcp")},
+    }
+    named = [change for change in changes if change in fixes]
+    for change in named:
+        fixed = {**offloaded, **changes[change]}
+        assert plan.host_plan_for(**fixed).fits(ram) and device(fixed).fits(80), change
+    if found := re.search(r"at most (\d+) ranks? per node", fixes):
+        assert plan.host_plan_for(**offloaded, ranks_per_node=int(found.group(1))).fits(ram)
+    assert named or found, fixes
+    assert "nodes" not in fixes.replace("per node", "") or "hardware.num_nodes=" in fixes, fixes
+
+
 # A seeded third of the grid (DDP with offload left out): every factor still meets every other.
 HOST_GRID = random.Random(0).sample([c for c in itertools.product(
     PRESETS, ["cuda", "cpu"], ["bf16", "fp32"], ["full", "no_shard", "hybrid"], [False, True], [(1, 1), (8, 2)],
@@ -585,8 +661,9 @@ def test_generated_python_reads_presets_and_defaults_from_the_rendered_table(pla
     for kind in ("xpu", "cpu"):
         assert presets.DEFAULT_PRECISION[kind] == hook("presets", "default_precision", kind, "")
     assert plan.ARCH_TFLOPS["hopper"] == presets.PEAK_TFLOPS["H100"] == 989.0  # a generation's flagship
-    # The defaults of config/sections.py and of the models' hyperparameters are the debug run's, by reference: none of the
-    # fields the presets set has a literal default. ViT's module is read from the template (this render has none).
+    # The defaults of config/sections.py and of the models' hyperparameters are the debug run's, by reference:
+    # none of the fields the presets set has a literal default. ViT's module is read from the template (this
+    # render has none).
     from planpkg.config import CheckpointConfig, TrainConfig
     from planpkg.models.llama import LlamaConfig
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import random
 import re
 
 import pytest
@@ -18,9 +20,15 @@ REFUSED = {
     "xccl_on_cuda": ({"backend": "xccl"}, "backend", "cannot run collectives on cuda"),
     "gloo_on_xpu": ({"accelerator": "xpu", "backend": "gloo"}, "backend", "cannot run collectives on xpu"),
     "mpi_cannot_shard": (
-        {"backend": "mpi", "sharding": "full"},
+        {"model_size": "1b", "backend": "mpi", "sharding": "full"},
         "backend",
         "choose nccl or sharding=no_shard: mpi does not support reduce_scatter",
+    ),
+    # DDP does not fit 8b with the activation checkpointing chosen before it: sharding=no_shard is no fix.
+    "mpi_where_ddp_does_not_fit": (
+        {"backend": "mpi", "sharding": "full"},
+        "backend",
+        "choose nccl: mpi does not support reduce_scatter on cuda",
     ),
     "bf16_on_volta": ({"gpu_arch": "volta", "mixed_precision": "bf16"}, "mixed_precision", "compute capability 8.0"),
     "bf16_on_turing": ({"gpu_arch": "turing", "mixed_precision": "bf16"}, "mixed_precision", "turing is 7.5"),
@@ -77,7 +85,7 @@ REFUSED = {
     "8b_ddp_does_not_fit": (
         {"model_size": "8b", "sharding": "no_shard", "activation_checkpointing": "selective"},
         "sharding",
-        "choose sharding=shard_grad_op: at best 91.1 GiB per GPU, 72.0 usable",
+        "choose sharding=shard_grad_op: at best 54.9 GiB per GPU, 72.0 usable",
     ),
     "ac_none_cannot_fit": (
         {"gpus_per_node": 1, "gpu_memory_gb": 24, "model_size": "8b", "activation_checkpointing": "none"},
@@ -249,3 +257,113 @@ def test_the_planners_defaults_are_always_allowed_and_fit(tmp_path, hardware):
     if hardware.get("num_nodes") == 4:
         expected = 4 if hardware["model_type"] == "llama" else 8
         assert answers["tensor_parallel"] == expected and answers["sharding"] != "no_shard", answers
+
+
+def suggestions(message: str) -> list[dict]:
+    """The answers a refusal tells the user to give, one dict per alternative it offers: "choose a=x, b=y and
+    c=z: ...", "choose fp16 or fp32: ...", "choose nccl or sharding=no_shard: ...", "answer 1, 2 or 4 (...)",
+    "answer 1 with sharding=full: ...", "2048 tokens fit with micro_batch_size=1: ...", "1 fits: ..."."""
+    question, text = re.match(r"[^']*'(\w+)': (.*)", message, re.S).groups()
+
+    def answers(offer: str) -> dict:
+        pairs = [item.partition("=") for item in re.split(r", | and ", offer)]
+        return {k if eq else question: yaml.safe_load(v if eq else k) for k, eq, v in pairs}
+
+    if found := re.match(r"choose (.+?)(?: \(\d+\.\d GiB\))?: ", text):
+        offer = found.group(1)
+        return [answers(alt) for alt in re.split(r", | or ", offer)] if " or " in offer else [answers(offer)]
+    if found := re.match(r"answer (.+?)(?: \(|: )", text):
+        offer, _, rest = found.group(1).partition(" with ")
+        return (
+            [{question: int(offer), **(answers(rest) if rest else {})}]
+            if rest
+            else [{question: int(t)} for t in re.split(r", | or ", offer)]
+        )
+    if found := re.match(r"(\d+) (?:tokens fit|fits?)(?: with (.+?))?: ", text):
+        return [{question: int(found.group(1)), **(answers(found.group(2)) if found.group(2) else {})}]
+    return []
+
+
+def refusal_of(tmp_path, answers: dict) -> str:
+    with pytest.raises(ValueError) as refusal:
+        render(tmp_path / "refused", answers, pretend=True)
+    return str(refusal.value)
+
+
+# The Volta case of issue 28: 8b on 8 x 32 GiB GPUs with DDP, no offload and no ZeRO optimizer given on the
+# command line. Selective recomputation fits only with other sharding, and full sharding only with offload.
+VOLTA = {"gpu_arch": "volta", "gpus_per_node": 8, "gpu_memory_gb": 32, "model_type": "custom", "model_size": "8b",
+         "micro_batch_size": 1, "intra_node_link": "pcie", "sharding": "no_shard", "cpu_offload": False,
+         "zero_optimizer": False, "activation_checkpointing": "selective", "customize": True}  # fmt: skip
+
+
+def test_a_refusal_names_every_answer_its_fix_changes_and_following_it_renders(tmp_path):
+    message = refusal_of(tmp_path, VOLTA)
+    assert message == (
+        "Invalid choice for 'activation_checkpointing': choose activation_checkpointing=full, sharding=full and "
+        "cpu_offload=true: at best 21.4 GiB per GPU, 28.8 usable"
+    )
+    # Following only the first answer of it, the next refusal asks for the rest, with the same figure: the
+    # suggested plan's, not the refused one's.
+    half = refusal_of(tmp_path, {**VOLTA, "activation_checkpointing": "full"})
+    assert half == (
+        "Invalid choice for 'sharding': choose sharding=full and cpu_offload=true: "
+        "at best 21.4 GiB per GPU, 28.8 usable"
+    )
+    (fix,) = suggestions(message)
+    root = render(tmp_path / "fixed", {**VOLTA, **fix})
+    recorded = answers_of(root)
+    assert {k: recorded[k] for k in fix} == fix and misfit(recorded) == ""
+    assert recorded["micro_batch_size"] == 1 and recorded["model_size"] == "8b"  # the answers it did not name stay
+
+
+# Answer sets the planner refuses: hardware, a model, and later answers given on the command line that
+# a fix may have to change too. A seeded sample keeps the run short; every question that suggests an
+# answer by memory or by a rule of the plan is among them.
+HARDWARE_SETS = [
+    {"gpu_arch": "volta", "gpus_per_node": 8, "gpu_memory_gb": 32, "intra_node_link": "pcie"},
+    {"gpus_per_node": 1, "gpu_memory_gb": 24},
+    {"gpu_arch": "ampere", "gpus_per_node": 2, "gpu_memory_gb": 40},
+    {"accelerator": "cpu", "gpus_per_node": 2, "host_memory_gb": 96},
+]
+GIVEN = [
+    {"sharding": "no_shard", "cpu_offload": False, "zero_optimizer": False, "activation_checkpointing": "selective"},
+    {"sharding": "no_shard", "activation_checkpointing": "none"},
+    {"cpu_offload": False, "activation_checkpointing": "none"},
+    {"sharding": "shard_grad_op", "cpu_offload": False},
+    {"micro_batch_size": 8, "activation_checkpointing": "none"},
+    {"seq_len": 131072, "micro_batch_size": 2},
+    {"backend": "mpi", "sharding": "full"},
+    {"mixed_precision": "bf16", "sharding": "no_shard"},
+    {"tensor_parallel": 3, "sharding": "no_shard"},
+    {"finetune": "lora", "micro_batch_size": 4, "cpu_offload": False},
+    {"checkpoint_format": "dcp_async", "cpu_offload": True, "sharding": "full"},
+]
+GRID = random.Random(0).sample(
+    [{**hw, "model_type": model, "model_size": size, **given}
+     for hw, (model, size), given in itertools.product(HARDWARE_SETS, [("custom", "1b"), ("llama", "3b")], GIVEN)],
+    24,
+)  # fmt: skip
+
+
+def test_following_each_suggested_fix_renders(tmp_path):
+    """Every alternative a refusal offers renders with the other answers as given: a fix names every
+    answer that must change with it, and none that is refused after it."""
+    refused = 0
+    for i, answers in enumerate(GRID):
+        try:
+            render(tmp_path / f"as_given{i}", answers, pretend=True)
+            continue
+        except ValueError as error:
+            message = str(error)
+        offers = suggestions(message)
+        if "needs " in message and not offers:  # a model or sequence that fits no plan names no fix: it has none
+            continue
+        assert offers, (answers, message)
+        for offer in offers:
+            try:
+                render(tmp_path / f"fixed{i}", {**answers, **offer}, pretend=True)
+            except ValueError as error:
+                raise AssertionError(f"{answers}: following {offer} of '{message}' is refused: {error}") from None
+        refused += 1
+    assert refused >= 16, refused

@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> None:
             shown, preset_argv, detected, how, notes = detect_inputs(rest, args.detected)
             cfg = load_config(shown)
             preset = load_config(preset_argv) if preset_argv else cfg  # the config of the repo's model_size
-            live = live_hardware(preset.hardware, detected)
+            live = live_hardware(planned=preset.hardware, detected=detected)
         except ValueError as error:  # a missing file or config: say which, without a traceback
             print(f"{__package__}: error: {error}", file=sys.stderr)
             raise SystemExit(EXIT_USAGE) from None
@@ -63,7 +63,11 @@ def main(argv: list[str] | None = None) -> None:
                                table=table, note=note)  # fmt: skip
         print("\n".join([report, *(f"note: {n}" for n in notes)]))
         return
-    cfg = load_config(rest)
+    try:
+        cfg = load_config(rest)
+    except ValueError as error:  # a config that cannot be built: one line, as the trainer refuses it
+        print(f"{__package__}: error: {error}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE) from None
     hw, degree = cfg.hardware, cfg.parallel.tensor_parallel
     if hw.gpus_per_node % degree:
         why = f"parallel.tensor_parallel={degree} does not divide the planned hardware.gpus_per_node={hw.gpus_per_node}"

@@ -135,12 +135,12 @@ def estimate_tensor_parallel(
         return None
     ac, sharding, offload = choice
     tokens = micro * train.seq_len  # per group and step
-    compute = 6 * s.P * tokens / degree / (MFU * peak_flops(hw)) * (4 / 3 if ac == "full" else 1)
+    compute = 6 * s.P * tokens / degree / (MFU * peak_flops(hardware=hw)) * (4 / 3 if ac == "full" else 1)
     sent = communication_bytes(s, sharding, precision, hw.gpus_per_node, hw.num_nodes, False, parallel.float8,
                                tensor_parallel=degree)  # fmt: skip
-    tp = link_seconds({"intra": tensor_parallel_bytes(s, precision, ac, degree, tokens), "inter": 0.0}, hw)
+    tp = link_seconds({"intra": tensor_parallel_bytes(s, precision, ac, degree, tokens), "inter": 0.0}, hardware=hw)
     return TensorParallelEstimate(
-        degree, micro, ac, sharding, offload, compute, link_seconds(sent, hw), tp, tokens * world // degree
+        degree, micro, ac, sharding, offload, compute, link_seconds(sent, hardware=hw), tp, tokens * world // degree
     )
 
 

@@ -67,13 +67,13 @@ def tensor_parallel_bytes(s: ModelShape, precision: str, ac: str, tensor_paralle
     return tokens * p * (s.h * (per_block * s.L + 4) + s.V) * (t - 1) / t
 
 
-def link_seconds(sent: dict, hardware: HardwareConfig) -> float:
+def link_seconds(sent: dict, *, hardware: HardwareConfig) -> float:
     """Seconds to send communication_bytes' figures over the planned links."""
     intra, inter = LINK_GBPS[hardware.intra_node_link] * 1e9, LINK_GBPS[hardware.inter_node_link] * 1e9
     return sent["intra"] / intra + sent["inter"] / inter
 
 
-def peak_flops(hardware: HardwareConfig) -> float:
+def peak_flops(*, hardware: HardwareConfig) -> float:
     """FLOP/s of one GPU of the planned generation (an A100's where there is none to name)."""
     return ARCH_TFLOPS.get(hardware.gpu_arch, ARCH_TFLOPS["ampere"]) * 1e12
 
@@ -95,12 +95,12 @@ def step_seconds(
     tokens_per_rank = train.global_batch_size * train.seq_len / world
     adapters = s.L * adapter_params(s, **lora)
     flops = 4 * s.P + 6 * adapters if lora["lora_rank"] else 6 * s.P
-    compute = flops * tokens_per_rank / (MFU * peak_flops(hw))
+    compute = flops * tokens_per_rank / (MFU * peak_flops(hardware=hw))
     sent = communication_bytes(
         s, sharding, parallel.mixed_precision, hw.gpus_per_node, hw.num_nodes, zero_optimizer, parallel.float8,
         **lora, tensor_parallel=parallel.tensor_parallel,
     )  # fmt: skip
-    return compute, link_seconds(sent, hw)
+    return compute, link_seconds(sent, hardware=hw)
 
 
 def tensor_parallel_seconds(

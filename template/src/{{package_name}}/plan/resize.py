@@ -29,21 +29,21 @@ from . import (
 HARDWARE_QUESTIONS = ("accelerator", "gpu_arch", "gpus_per_node", "gpu_memory_gb", "host_memory_gb", "intra_node_link")
 
 
-def default_precision(hw: HardwareConfig) -> str:
+def default_precision(*, hardware: HardwareConfig) -> str:
     """copier.yml's default mixed_precision: no bf16 before Ampere, fp32 on CPU."""
-    return DEFAULT_PRECISION[hw.gpu_arch if hw.accelerator == "cuda" else hw.accelerator]
+    return DEFAULT_PRECISION[hardware.gpu_arch if hardware.accelerator == "cuda" else hardware.accelerator]
 
 
-def asked(question: str, hw: HardwareConfig) -> bool:
+def asked(question: str, *, hardware: HardwareConfig) -> bool:
     """Whether copier.yml asks `question` on this hardware (its `when:` conditions)."""
     return {
-        "gpu_arch": hw.accelerator == "cuda",
-        "gpu_memory_gb": hw.accelerator != "cpu",
-        "intra_node_link": hw.accelerator != "cpu" and hw.gpus_per_node > 1,
+        "gpu_arch": hardware.accelerator == "cuda",
+        "gpu_memory_gb": hardware.accelerator != "cpu",
+        "intra_node_link": hardware.accelerator != "cpu" and hardware.gpus_per_node > 1,
     }.get(question, True)
 
 
-def live_hardware(planned: HardwareConfig, detected: dict) -> HardwareConfig:
+def live_hardware(*, planned: HardwareConfig, detected: dict) -> HardwareConfig:
     """The planned hardware as `detected` on this machine (copier answers, as hardware.detect gives them).
 
     num_nodes and inter_node_link stay as planned: one machine cannot see the others. CPU ranks
@@ -108,13 +108,14 @@ def resize(
     answers: dict = {}
     for question in HARDWARE_QUESTIONS:
         value = getattr(live, question)
-        if asked(question, live) and value != getattr(old, question):
+        if asked(question, hardware=live) and value != getattr(old, question):
             answers[question] = int(value) if isinstance(value, float) and value.is_integer() else value
     if not answers:
         return {}
     precision = p.mixed_precision
-    if precision == default_precision(old) or (precision == "bf16" and default_precision(live) == "fp16"):
-        precision = default_precision(live)
+    was, now = default_precision(hardware=old), default_precision(hardware=live)
+    if precision == was or (precision == "bf16" and now == "fp16"):
+        precision = now
     backend = dist.backend
     if backend == DEFAULT_BACKEND[old.accelerator] or backend in ("nccl", "xccl"):
         backend = DEFAULT_BACKEND[live.accelerator]
@@ -181,7 +182,9 @@ def update_command(answers: dict) -> str:
     return "copier update --defaults " + " ".join(f"-d {k}={v}" for k, v in values.items())
 
 
-def describe(hw: HardwareConfig) -> str:
+def describe(*, hardware: HardwareConfig) -> str:
+    """The hardware in one line, for the report."""
+    hw = hardware
     ram = f"{hw.host_memory_gb:g} GiB RAM per node" if hw.host_memory_gb else ""
     details = [hw.gpu_arch, f"{hw.gpu_memory_gb:g} GiB" if hw.accelerator != "cpu" else "", hw.intra_node_link, ram]
     extra = ", ".join(d for d in details if d)
@@ -195,7 +198,7 @@ def shortfall(
     """What the report says when the re-sized preset still does not fit `hardware` (the live machine):
     the only answer left to change is the model, or the number of nodes."""
     args = dict(model=model, train=train, parallel=parallel, hardware=hardware, finetune=finetune)
-    where = describe(hardware)
+    where = describe(hardware=hardware)
     if hardware.accelerator != "cpu" and not plan_for(**args).fits(hardware.gpu_memory_gb):
         return [
             f"Nothing fits {model.preset} on {where}, not even full sharding with CPU offload and full activation "
@@ -219,14 +222,15 @@ def detect_report(
     """What `--detect` prints: the `planned` hardware against the `live` one, the `table` of the config on
     it after the update, the `note` of shortfall(), and the update command that gives the repo `answers`."""
     if not answers:
-        return f"This machine matches the hardware the repo was planned for, {describe(live)}: nothing to re-size."
-    lines = [f"planned for:   {describe(planned)}", f"this machine:  {describe(live)}"]
+        where = describe(hardware=live)
+        return f"This machine matches the hardware the repo was planned for, {where}: nothing to re-size."
+    lines = [f"planned for:   {describe(hardware=planned)}", f"this machine:  {describe(hardware=live)}"]
     for question in HARDWARE_QUESTIONS:
         was = getattr(planned, question)
         if question in answers:
             was = f"{was:g}" if isinstance(was, float) else was or "-"
             lines.append(f"  {question:<16} {was:>7} -> {answers[question]!s:<8} {how.get(question, '')}")
-        elif asked(question, live) and question not in detected:
+        elif asked(question, hardware=live) and question not in detected:
             lines.append(
                 f"  {question:<16} {was!s:>7}    not detected: kept as planned (add -d {question}=... to change)"
             )
