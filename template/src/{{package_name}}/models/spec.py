@@ -100,6 +100,24 @@ class ModelShape:
     """Parameters that are read by index, not multiplied (an embedding other than a tied head): no FLOPs."""
     experts: int = 0
     """Routed experts per sparse layer of a mixture of experts (0: a dense model); expert parallelism splits them."""
+    expert_params: int = 0
+    """Parameters of one routed expert in one layer: what expert parallelism places, expert by expert."""
+    top_k: int = 0
+    """Experts each token is routed to (0: a dense model)."""
+    sparse_layers: int = 0
+    """Blocks that are mixtures of experts."""
+    active: int = 0
+    """Parameters one token is multiplied by where fewer than P (a mixture of experts); 0: every one of P."""
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token is multiplied by: the compute of a step counts these (6 FLOPs each a token)."""
+        return self.active or self.P
+
+    @property
+    def routed_params(self) -> int:
+        """Routed experts' parameters in one sparse block: the part of Pb that expert parallelism splits."""
+        return self.experts * self.expert_params
 
     def activation_bytes(
         self, p: int, ac: str, *, lora_rank: int = 0, lora_targets: str = "all", tensor_parallel: int = 1,

@@ -20,9 +20,11 @@ once here, in the docstring of the function that computes it:
                        adapter_params (LoRA), shard_group, grad_accum
     host.py            host_memory_plan: a node's RAM by term and its peak (HostPlan.total);
                        check_host_memory, which refuses a node without room and names what fits
-    communication.py   communication_bytes (FSDP and DDP), tensor_parallel_bytes, step_seconds
-    choice.py          cheapest / recommend (sharding, activation checkpointing, offload) and
-                       recommend_tensor_parallel (the degree, from estimate_tensor_parallel)
+    communication.py   communication_bytes (FSDP and DDP), tensor_parallel_bytes, expert_parallel_bytes
+                       (the all-to-alls), step_seconds
+    choice.py          cheapest / recommend (sharding, activation checkpointing, offload),
+                       recommend_tensor_parallel and recommend_expert_parallel (the degrees, from their
+                       estimate_* functions)
     check.py           check_plan, the launch-time check, with a fix that fits for each refusal
 
 report.py prints the table, resize.py the `--detect` advice, and __main__.py is the command line,
@@ -32,10 +34,14 @@ the one place that unpacks a whole Config: everything here takes the sub-configs
 from ..presets import HEADROOM, HOST_MEMORY
 from .check import check_plan, device_memory_gb
 from .choice import (
+    ExpertParallelEstimate,
     TensorParallelEstimate,
     cheapest,
+    estimate_expert_parallel,
     estimate_tensor_parallel,
+    expert_parallel_degrees,
     recommend,
+    recommend_expert_parallel,
     recommend_tensor_parallel,
     sharding_candidates,
     tensor_parallel_degrees,
@@ -43,6 +49,8 @@ from .choice import (
 from .communication import (
     ARCH_TFLOPS,
     communication_bytes,
+    expert_parallel_bytes,
+    expert_parallel_seconds,
     step_seconds,
     tensor_parallel_bytes,
     tensor_parallel_seconds,
@@ -71,6 +79,7 @@ __all__ = [
     "HEADROOM",
     "HOST_MEMORY",
     "SHARDINGS",
+    "ExpertParallelEstimate",
     "HostPlan",
     "MemoryPlan",
     "TensorParallelEstimate",
@@ -82,7 +91,11 @@ __all__ = [
     "check_plan",
     "communication_bytes",
     "device_memory_gb",
+    "estimate_expert_parallel",
     "estimate_tensor_parallel",
+    "expert_parallel_bytes",
+    "expert_parallel_degrees",
+    "expert_parallel_seconds",
     "grad_accum",
     "host_memory_plan",
     "host_plan_for",
@@ -90,6 +103,7 @@ __all__ = [
     "memory_plan",
     "plan_for",
     "recommend",
+    "recommend_expert_parallel",
     "recommend_tensor_parallel",
     "sequence_parallel",
     "shard_group",

@@ -12,10 +12,9 @@ from .model import Qwen3MoeConfig
 class MoeShape(ModelShape):
     """A ModelShape whose blocks may be sparse. P counts every parameter, `active` those one token is
     multiplied by; Pb is the larger block (the sparse one: the FSDP unit the planner sizes buffers by).
-    f is one expert's SwiGLU width."""
+    f is one expert's SwiGLU width; `active` (ModelShape's) all parameters but the (num_experts - top_k) routed
+    experts a token skips in every sparse layer."""
 
-    active: int = 0
-    """Parameters one token uses: all but the (num_experts - top_k) routed experts it skips in every sparse layer."""
     q: int = 0
     """Query width (heads x head size), which need not be the hidden size."""
     head_dim: int = 1
@@ -24,12 +23,6 @@ class MoeShape(ModelShape):
     """SwiGLU width of the dense layers."""
     shared_f: int = 0
     """Summed SwiGLU width of a sparse layer's shared experts (0: none)."""
-    top_k: int = 0
-    """Experts per token."""
-    sparse_layers: int = 0
-    """Blocks that are mixtures of experts (the other L - sparse_layers are dense)."""
-    expert_params: int = 0
-    """Parameters of one routed expert in one layer (3 h f): what expert parallelism places, expert by expert."""
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token from the ACTIVE parameters (a token multiplies top_k experts, not all):

@@ -30,13 +30,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...presets import MOE_PRESETS
 from ..llama import apply_rope, rope_cache
 from ..spec import ModelConfig
 from .moe import LOAD, FeedForward, MoE, Router, bias_update, load_balancing_loss
 
 # The fields are transformers' Qwen3MoeConfig's under this repo's names (hidden_size -> dim,
 # num_hidden_layers -> n_layers, intermediate_size -> ffn_hidden_dim, ...; hf.py maps them), plus
-# DeepSeek-V3's options. The defaults are a debug MoE: 4 blocks, 8 experts, 2 per token.
+# DeepSeek-V3's options. The defaults are the moe-debug preset's (an MoE render's configs/debug.toml):
+# 4 blocks, 8 experts, 2 per token.
+DEBUG = MOE_PRESETS["moe-debug"]
 
 
 @dataclass
@@ -45,33 +48,35 @@ class Qwen3MoeConfig(ModelConfig):
 
     name: str = "qwen3_moe"
     """Model family; models/__init__.py maps it to the module that defines it."""
-    dim: int = 128
+    preset: str = "moe-debug"
+    """Name of the size preset these shapes came from (informational)."""
+    dim: int = DEBUG["dim"]
     """Hidden size (transformers: hidden_size)."""
-    n_layers: int = 4
+    n_layers: int = DEBUG["n_layers"]
     """Number of blocks; each block is one FSDP unit (num_hidden_layers)."""
-    n_heads: int = 4
+    n_heads: int = DEBUG["n_heads"]
     """Attention (query) heads (num_attention_heads)."""
-    n_kv_heads: int = 2
+    n_kv_heads: int = DEBUG["n_kv_heads"]
     """Key/value heads (grouped-query attention); must divide n_heads (num_key_value_heads)."""
-    head_dim: int = 32
+    head_dim: int = DEBUG["head_dim"]
     """Size of one attention head; need not be dim / n_heads (Qwen3-30B-A3B: 128 with dim 2048 and 32 heads)."""
-    vocab_size: int = 256
+    vocab_size: int = DEBUG["vocab_size"]
     """Vocabulary size (embedding rows and output logits)."""
-    rope_theta: float = 10000.0
+    rope_theta: float = DEBUG["rope_theta"]
     """Rotary embedding base (Qwen3-MoE: 1e6)."""
     norm_eps: float = 1e-6
     """RMSNorm epsilon, of the blocks' norms and the per-head query/key norms (rms_norm_eps)."""
-    max_seq_len: int = 64
+    max_seq_len: int = DEBUG["max_seq_len"]
     """Longest sequence the rotary cache covers (max_position_embeddings)."""
-    tie_embeddings: bool = False
+    tie_embeddings: bool = DEBUG["tie_embeddings"]
     """Share the input embedding and output projection weights (tie_word_embeddings)."""
-    ffn_hidden_dim: int = 384
+    ffn_hidden_dim: int = DEBUG["ffn_hidden_dim"]
     """SwiGLU hidden size of the dense layers (intermediate_size); unused when every layer is sparse."""
-    moe_intermediate_size: int = 64
+    moe_intermediate_size: int = DEBUG["moe_intermediate_size"]
     """SwiGLU hidden size of one expert."""
-    num_experts: int = 8
+    num_experts: int = DEBUG["num_experts"]
     """Routed experts per sparse layer."""
-    num_experts_per_tok: int = 2
+    num_experts_per_tok: int = DEBUG["num_experts_per_tok"]
     """Experts each token is routed to (top-k)."""
     norm_topk_prob: bool = True
     """Rescale a token's k routing weights to sum to 1 (Qwen3-30B-A3B: true; with k = 1 no loss trains the router)."""
