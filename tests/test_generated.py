@@ -22,6 +22,7 @@ from answers import (
     FULL,
     HOST_MEMORY,
     LORA,
+    MOE,
     PRETRAINED,
     SFT,
     SMOKE,
@@ -40,7 +41,8 @@ RUN_ON_CPU = {
     "checkpoint_format": {"dcp", "dcp_async"},
 }
 # The full-tier selections that one render of the matrix runs on its own (answers.py says which).
-OWN = ["faults", "strategies", "tensor_parallel", "float8", "sft", "lora", "pretrained", "compiled", "host_memory"]
+OWN = ["faults", "strategies", "tensor_parallel", "float8", "sft", "lora", "pretrained", "compiled", "host_memory",
+       "moe"]
 
 
 def test_smoke_renders_cover_every_choice_that_runs_on_cpu(rendered):
@@ -184,4 +186,26 @@ def test_generated_transformers_tensor_parallel_trains_loads_on_one_rank_and_exp
         "tensor_parallel and not once",
         "test_tensor_parallel.py::test_2x2_trains_to_the_golden_losses",
         "test_tensor_parallel.py::test_2x2_export_loads_in_transformers_with_the_same_logits",
+    )
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_generated_mixture_of_experts_trains_with_expert_parallelism(rendered, name):
+    # The fast tier of a render whose debug model is the mixture of experts, and its `moe` tier: the launches of
+    # expert parallelism against one rank, its checkpoints, transformers' weights and the plan's MoE terms.
+    run_generated(
+        rendered[name],
+        "not full or moe",
+        *SMOKE_TESTS,
+        "test_moe_model.py::test_logits_and_aux_loss_match_transformers",
+        "test_expert_parallel.py::test_the_all_to_all_dispatcher_computes_what_one_rank_does",
+        "test_expert_parallel.py::test_expert_parallel_runs_train_to_the_losses_of_one_rank",
+        "test_expert_parallel.py::test_a_checkpoint_saved_at_ep2_loads_bit_for_bit_at_any_degree",
+        "test_expert_parallel.py::test_resuming_at_ep2_is_exact_and_at_ep1_continues_the_run",
+        "test_expert_parallel.py::test_the_plan_counts_what_experts_hold_and_send",
+        "test_expert_parallel.py::test_init_from_transformers_files_computes_their_logits_at_every_position",
+        "test_expert_parallel.py::test_the_export_under_expert_parallelism_loads_back_in_transformers",
+        "test_expert_parallel.py::test_impossible_settings_are_refused_with_the_fix",
+        "test_expert_parallel.py::test_degrees_the_world_cannot_hold_are_refused_at_launch",
+        "test_expert_parallel.py::test_a_launch_beyond_the_world_is_refused_once_with_exit_code_2",
     )
