@@ -12,7 +12,11 @@
 4. Host memory for pretrained weights at world size 2: the peak a rank adds while loading
    (`checkpoint.init_from`) and exporting through DCP's Hugging Face reader and writer (each rank
    its own slices) over the same through one full copy on rank 0 (the path before them).
-5. Rendering the default project; the generated fast tier (`pytest`) of the default render and of
+5. A mixture of experts (an MoE render's debug model, 8 experts of which 2 a token) on 2 ranks: the
+   step time with its experts split between the ranks (expert parallelism 2, all-to-all) over every
+   rank holding all of them (1), and the bytes its all-to-alls send in a step, measured from their
+   split sizes (tests/moe_probe.py), over the plan's `expert_parallel_bytes`.
+6. Rendering the default project; the generated fast tier (`pytest`) of the default render and of
    a CPU render, and the default render's smoke test, each in a fresh torch.compile cache (cold),
    in wall seconds and in the CPU seconds of every process they ran (less sensitive to other work
    on the machine). The step and checkpoint timings are each the fastest of two runs, taken in turn.
@@ -57,6 +61,8 @@ ROWS = [
     "generated fast tier (`pytest`), default render, cold",
     "generated smoke test (`pytest tests/test_smoke.py`), default render, cold",
     "generated fast tier (`pytest`), CPU render, cold",
+    "MoE debug model step time at world size 2: expert parallelism 2 / 1",
+    "MoE all-to-all bytes per step at expert parallelism 2: measured / planned",
 ]
 
 
@@ -222,6 +228,21 @@ def weights_memory(project: Path, tmp: Path, size: list[str], quick: bool) -> di
     return {op: max(json.loads((tmp / f"{op}_rank{r}.json").read_text()) for r in range(2)) for op, _ in jobs}
 
 
+def moe_probe(project: Path, run: Path, degree: int, steps: int) -> dict:
+    """tests/moe_probe.py on 2 ranks with `degree`: rank 0's report (step time, all-to-all bytes measured and
+    planned), each rank's micro-batch one of 4 sequences."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "moe_probe",
+           "--config", str(project / "configs" / "debug.toml"), "--device", "cpu", "--run_dir", str(run),
+           "--parallel.expert_parallel", str(degree), "--train.micro_batch_size", "4", "--parallel.compile", "False",
+           "--metrics.progress_bar", "False"]  # fmt: skip
+    run.mkdir(parents=True, exist_ok=True)
+    env = {**env_for(project), "MOE_PROBE_STEPS": str(steps)}
+    done = subprocess.run(cmd, cwd=project, env=env, capture_output=True, text=True)
+    if done.returncode:
+        sys.exit(f"moe_probe failed ({' '.join(cmd)}):\n{done.stderr[-4000:]}")
+    return json.loads((run / "moe_probe_rank0.json").read_text())
+
+
 def pytest_seconds(project: Path, selection: list[str]) -> tuple[float, float, float, str]:
     """Wall and CPU seconds of the generated tests `selection` in a fresh torch.compile cache, the machine's
     1-minute load average as they ended (other work slows them down), and pytest's summary."""
@@ -277,6 +298,16 @@ def measure(quick: bool) -> list[dict]:
         # The quick mode's selection is the same for both rows of the default render: it runs once.
         smoke = fast if quick else pytest_seconds(tmp / "default", ["tests/test_smoke.py"])
         fast_cpu = pytest_seconds(project, QUICK_SELECTION if quick else [])
+        moe = tmp / "moe"
+        render(moe, {"accelerator": "cpu", "model_type": "qwen3_moe", "package_name": "bench_pkg"})
+        moe_steps = 3 if quick else 12
+        ep1, ep2 = fastest(
+            repeats,
+            lambda i: moe_probe(moe, tmp / f"moe1-{i}", 1, moe_steps)["step_s"],
+            lambda i: moe_probe(moe, tmp / f"moe2-{i}", 2, moe_steps)["step_s"],
+        )
+        a2a = moe_probe(moe, tmp / "moe-bytes", 2, moe_steps)
+    sent, planned = a2a["a2a_sent"], a2a["planned_a2a_sent"]
     return [
         ratio_row(ROWS[0], trainer, plain, f"{trainer * 1e3:.0f} ms / {plain * 1e3:.0f} ms", "<= 1.10"),
         ratio_row(ROWS[1], state, 16 * n_params / 2, f"{state:,} B", "<= 1.02"),
@@ -287,6 +318,8 @@ def measure(quick: bool) -> list[dict]:
         seconds_row(ROWS[6], fast, "under 2 minutes"),
         seconds_row(ROWS[7], smoke, "under a minute"),
         seconds_row(ROWS[8], fast_cpu, "under 2 minutes"),
+        ratio_row(ROWS[9], ep2, ep1, f"{ep2 * 1e3:.0f} ms / {ep1 * 1e3:.0f} ms", "about 1 on CPU (no link to gain)"),
+        ratio_row(ROWS[10], sent, planned, f"{sent:,.0f} B / {planned:,.0f} B", "about 1 (routing in balance)"),
     ]
 
 
