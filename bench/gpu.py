@@ -111,7 +111,8 @@ def run_variant(project: Path, run: Path, variant: Variant, steps: int, warmup: 
         package, config_file = "bench_moe", project / "configs" / "debug.toml"
         shape = TINY_MOE if dry_run else MOE_SHAPE
     overrides = ["--train.steps", str(steps), "--train.warmup_steps", str(warmup), "--train.global_batch_size",
-                 str(ANSWERS["micro_batch_size"]), "--checkpoint.interval", "100000", "--checkpoint.export", "none",
+                 str(ANSWERS["micro_batch_size"]), "--train.micro_batch_size", str(ANSWERS["micro_batch_size"]),
+                 "--checkpoint.interval", "100000", "--checkpoint.export", "none",
                  "--eval.interval", "0", "--metrics.progress_bar", "False", "--parallel.compile", str(variant.compile),
                  "--parallel.activation_checkpointing", variant.ac, "--parallel.float8", variant.float8]  # fmt: skip
     config = ["--config", str(config_file), "--run_dir", str(run), *overrides, *shape]
