@@ -110,13 +110,14 @@ def apply_ep(layers: nn.ModuleList, mesh: DeviceMesh) -> None:
             if not hasattr(module, "dispatcher"):
                 continue
             experts = module.experts
+            num_experts = next(experts.parameters()).shape[0]  # every stacked weight's first dimension
             for name, param in list(experts.named_parameters(recurse=False)):
-                local = torch.empty(param.shape[0] // mesh.size(), *param.shape[1:], dtype=param.dtype, device="meta")
+                local = torch.empty(num_experts // mesh.size(), *param.shape[1:], dtype=param.dtype, device="meta")
                 split = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=param.shape,
                                            stride=param.stride())  # fmt: skip
                 experts.register_parameter(name, nn.Parameter(split, param.requires_grad))
             experts.split_by_expert = True
-            module.dispatcher = AllToAllDispatcher(mesh, param.shape[0])
+            module.dispatcher = AllToAllDispatcher(mesh, num_experts)
 
 
 def expert_fsdp_mesh(expert_mesh: DeviceMesh, *, hybrid: bool) -> FSDPMeshInfo:
