@@ -187,3 +187,12 @@ TRANSFORMERS_TENSOR_PARALLEL = ["ada_offload"]
 # in and out, the plan's MoE terms against what the ranks hold), with that render's fast tier (the smoke test
 # and the FSDP2 rules, on the debug MoE). About three minutes on two cores.
 MOE = ["cpu_moe"]
+# GENERATE: `python -m <pkg>.generate` from a checkpoint trained at world size 2 and from its export, and its
+# refusals (tests/test_generate.py's launches and subprocesses), which the FULL renders leave out. Every llama
+# and hf_causal_lm render has the file, whose fast tests (greedy tokens against transformers' generate, the
+# built-in llama's Llama 3.1 rotary scaling included) run in the fast tier; a transformers render runs both models.
+GENERATE = ["ada_offload"]
+# HF_CONFIG: a transformers Mistral built from a bf16 config.json (model.hf_config) trained in fp32 under FSDP and
+# under tensor parallelism (tests/test_hf_config.py, two launches), in the one render whose model is hf_causal_lm
+# among the SMOKE renders (its refusals run in its fast tier).
+HF_CONFIG = ["ada_offload"]

@@ -9,7 +9,6 @@ runs without a change here, and one that stops running is noticed.
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 
@@ -20,6 +19,8 @@ from answers import (
     FAULTS,
     FLOAT8,
     FULL,
+    GENERATE,
+    HF_CONFIG,
     HOST_MEMORY,
     LORA,
     MOE,
@@ -42,7 +43,7 @@ RUN_ON_CPU = {
 }
 # The full-tier selections that one render of the matrix runs on its own (answers.py says which).
 OWN = ["faults", "strategies", "tensor_parallel", "float8", "sft", "lora", "pretrained", "compiled", "host_memory",
-       "moe"]
+       "generate", "hf_config", "moe"]  # fmt: skip
 
 
 def test_smoke_renders_cover_every_choice_that_runs_on_cpu(rendered):
@@ -59,7 +60,9 @@ def run_generated(root, marks: str, *must_pass: str) -> str:
     proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=1500)
     out = proc.stdout
     assert proc.returncode == 0, out[-6000:] + proc.stderr[-3000:]
-    passed = {re.sub(r"\[.*\]$", "", line.split()[1]) for line in out.splitlines() if line.startswith("PASSED ")}
+    # "PASSED tests/test_x.py::test_y[a parameter, maybe with spaces]": the test's id without its parameters.
+    lines = [line.removeprefix("PASSED ") for line in out.splitlines() if line.startswith("PASSED ")]
+    passed = {line.split("[")[0].strip() for line in lines}
     missing = [name for name in must_pass if not any(test.endswith(name) for test in passed)]
     assert not missing, f"did not pass (skipped, deselected or gone?): {missing}\n{out[-3000:]}"
     return out
@@ -87,6 +90,11 @@ def test_generated_smoke_rules_and_plan(rendered, name):
         must.append("test_smoke.py::test_compiled_run_trains_and_resumes")
     if name in HOST_MEMORY:
         must.append("test_plan.py::test_host_plan_matches_resident_memory")
+    model_type = yaml.safe_load((rendered[name] / ".copier-answers.yml").read_text())["model_type"]
+    if model_type in ("llama", "hf_causal_lm"):  # greedy generation against transformers' generate
+        must.append("test_generate.py::test_greedy_llama_with_llama31_rope_scaling_picks_transformers_tokens")
+    if model_type == "hf_causal_lm":  # model.hf_config: one description of the model, fp32 whatever the file says
+        must.append("test_hf_config.py::test_a_model_that_disagrees_with_hf_config_is_refused_and_the_fix_agrees")
     run_generated(rendered[name], " or ".join(["not full", *extra]), *must)
 
 
@@ -94,7 +102,7 @@ FULL_TESTS = [
     "test_checkpoint.py::test_checkpoint_reshards_to_one_and_four_ranks",
     "test_checkpoint.py::test_resume_names_what_it_skips_and_a_save_heals_the_damage",
     "test_errors.py::test_bad_input_is_reported_once_and_nothing_is_written",
-    "test_eval.py::test_evaluation_leaves_training_as_it_was",
+    "test_uneven.py::test_min_stops_every_rank_at_the_shortest",
 ]
 ONCE_TESTS = [
     "test_checkpoint.py::test_zero_checkpoint_moves_across_world_sizes_and_modes",
@@ -115,97 +123,110 @@ def test_generated_checkpoints_and_errors(rendered, name):
     )
 
 
-@pytest.mark.parametrize("name", FAULTS)
-def test_generated_crash_recovery(rendered, name):
-    run_generated(rendered[name], "faults", "test_faults.py::test_killed_job_resumes_bit_identically")
-
-
-@pytest.mark.parametrize("name", STRATEGIES)
-def test_generated_strategies_match_the_golden_losses(rendered, name):
-    out = run_generated(rendered[name], "strategies", "test_strategies.py::test_strategy_matches_the_golden_losses")
-    assert " skipped" not in out, out[-2000:]  # every strategy applies to the debug model
-
-
-@pytest.mark.parametrize("name", FLOAT8)
-def test_generated_float8_converts_trains_and_checkpoints(rendered, name):
-    run_generated(
-        rendered[name],
+# The selections of the full tier that one render each runs (answers.py says which): the marker expression, the
+# renders, and the tests that must be among those that passed.
+SELECTIONS = {
+    "crash_recovery": ("faults", FAULTS, ["test_faults.py::test_killed_job_resumes_bit_identically"]),
+    "strategies_golden_losses": (
+        "strategies",
+        STRATEGIES,
+        ["test_strategies.py::test_strategy_matches_the_golden_losses"],
+    ),
+    "float8": (
         "float8",
-        "test_float8.py::test_float8_trains_under_fsdp_and_resumes_exactly",
-        "test_float8.py::test_a_float8_checkpoint_continues_in_bf16_with_close_losses",
-    )
-
-
-@pytest.mark.parametrize("name", SFT)
-def test_generated_sft_masks_packs_and_matches_one_process(rendered, name):
-    run_generated(
-        rendered[name],
+        FLOAT8,
+        [
+            "test_float8.py::test_float8_trains_under_fsdp_and_resumes_exactly",
+            "test_float8.py::test_a_float8_checkpoint_continues_in_bf16_with_close_losses",
+        ],
+    ),
+    "sft": (
         "sft",
-        "test_sft.py::test_unscored_targets_contribute_exactly_zero_gradient",
-        "test_sft.py::test_two_ranks_train_to_the_losses_of_one_process",
-        "test_sft.py::test_prepare_packs_the_chats_and_scores_only_the_replies",
-    )
-
-
-@pytest.mark.parametrize("name", LORA)
-def test_generated_lora_trains_only_adapters_and_exports_merged_weights(rendered, name):
-    run_generated(
-        rendered[name],
+        SFT,
+        [
+            "test_sft.py::test_unscored_targets_contribute_exactly_zero_gradient",
+            "test_sft.py::test_two_ranks_train_to_the_losses_of_one_process",
+            "test_sft.py::test_prepare_packs_the_chats_and_scores_only_the_replies",
+        ],
+    ),
+    "lora": (
         "lora",
-        "test_lora.py::test_resuming_with_the_other_finetune_method_is_refused_before_the_process_group",
-        "test_lora.py::test_activation_bytes_per_block_match_the_plan",
-    )
-
-
-@pytest.mark.parametrize("name", PRETRAINED)
-def test_generated_pretrained_llama3_weights_compute_transformers_logits(rendered, name):
-    run_generated(
-        rendered[name],
+        LORA,
+        [
+            "test_lora.py::test_resuming_with_the_other_finetune_method_is_refused_before_the_process_group",
+            "test_lora.py::test_activation_bytes_per_block_match_the_plan",
+        ],
+    ),
+    "pretrained": (
         "pretrained",
-        "test_pretrained.py::test_read_through_init_from_at_world_size_2_it_computes_transformers_logits",
-        "test_pretrained.py::test_the_export_loads_back_in_transformers_with_the_same_logits",
-    )
-
-
-@pytest.mark.parametrize("name", TENSOR_PARALLEL)
-def test_generated_tensor_parallel_trains_reshards_and_exports(rendered, name):
-    run_generated(
-        rendered[name],
+        PRETRAINED,
+        [
+            "test_pretrained.py::test_read_through_init_from_at_world_size_2_it_computes_transformers_logits",
+            "test_pretrained.py::test_the_export_loads_back_in_transformers_with_the_same_logits",
+        ],
+    ),
+    "tensor_parallel": (
         "tensor_parallel",
-        "test_tensor_parallel.py::test_2x2_trains_to_the_golden_losses",
-        "test_tensor_parallel.py::test_2x2_checkpoint_reshards_to_2x2_and_data_parallel_4",
-        "test_tensor_parallel.py::test_a_group_larger_than_the_node_is_refused_at_launch",
-    )
-
-
-@pytest.mark.parametrize("name", TRANSFORMERS_TENSOR_PARALLEL)
-def test_generated_transformers_tensor_parallel_trains_loads_on_one_rank_and_exports(rendered, name):
+        TENSOR_PARALLEL,
+        [
+            "test_tensor_parallel.py::test_2x2_trains_to_the_golden_losses",
+            "test_tensor_parallel.py::test_2x2_checkpoint_reshards_to_2x2_and_data_parallel_4",
+            "test_tensor_parallel.py::test_a_group_larger_than_the_node_is_refused_at_launch",
+        ],
+    ),
     # What the built-in model's run already shows for every model (marked `once`) runs in TENSOR_PARALLEL only.
-    run_generated(
-        rendered[name],
+    "transformers_tensor_parallel": (
         "tensor_parallel and not once",
-        "test_tensor_parallel.py::test_2x2_trains_to_the_golden_losses",
-        "test_tensor_parallel.py::test_2x2_export_loads_in_transformers_with_the_same_logits",
-    )
-
-
-@pytest.mark.parametrize("name", MOE)
-def test_generated_mixture_of_experts_trains_with_expert_parallelism(rendered, name):
-    # The fast tier of a render whose debug model is the mixture of experts, and its `moe` tier: the launches of
-    # expert parallelism against one rank, its checkpoints, transformers' weights and the plan's MoE terms.
-    run_generated(
-        rendered[name],
+        TRANSFORMERS_TENSOR_PARALLEL,
+        [
+            "test_tensor_parallel.py::test_2x2_trains_to_the_golden_losses",
+            "test_tensor_parallel.py::test_2x2_export_loads_in_transformers_with_the_same_logits",
+        ],
+    ),
+    "text_generation": (
+        "generate",
+        GENERATE,
+        [
+            "test_generate.py::test_a_checkpoint_saved_at_world_size_2_generates_what_its_export_does",
+            "test_generate.py::test_bad_input_is_one_line_and_exit_code_2",
+        ],
+    ),
+    "hf_config_one_description": (
+        "hf_config",
+        HF_CONFIG,
+        [
+            "test_hf_config.py::test_a_bf16_config_json_trains_fp32_and_validates_to_transformers_loss",
+            "test_hf_config.py::test_the_tensor_parallel_export_equals_the_fsdp_export",
+        ],
+    ),
+    # The fast tier of a render whose debug model is the mixture of experts, and its `moe` tier: expert
+    # parallelism against one rank, its checkpoints, transformers' weights and the plan's MoE terms.
+    "mixture_of_experts": (
         "not full or moe",
-        *SMOKE_TESTS,
-        "test_moe_model.py::test_logits_and_aux_loss_match_transformers",
-        "test_expert_parallel.py::test_the_all_to_all_dispatcher_computes_what_one_rank_does",
-        "test_expert_parallel.py::test_expert_parallel_runs_train_to_the_losses_of_one_rank",
-        "test_expert_parallel.py::test_a_checkpoint_saved_at_ep2_loads_bit_for_bit_at_any_degree",
-        "test_expert_parallel.py::test_resuming_at_ep2_is_exact_and_at_ep1_continues_the_run",
-        "test_expert_parallel.py::test_the_plan_counts_what_experts_hold_and_send",
-        "test_expert_parallel.py::test_init_from_transformers_files_computes_their_logits_at_every_position",
-        "test_expert_parallel.py::test_the_export_under_expert_parallelism_loads_back_in_transformers",
-        "test_expert_parallel.py::test_impossible_settings_are_refused_with_the_fix",
-        "test_expert_parallel.py::test_degrees_the_world_cannot_hold_are_refused_at_launch",
-        "test_expert_parallel.py::test_a_launch_beyond_the_world_is_refused_once_with_exit_code_2",
-    )
+        MOE,
+        [
+            *SMOKE_TESTS,
+            "test_moe_model.py::test_logits_and_aux_loss_match_transformers",
+            "test_expert_parallel.py::test_the_all_to_all_dispatcher_computes_what_one_rank_does",
+            "test_expert_parallel.py::test_expert_parallel_runs_train_to_the_losses_of_one_rank",
+            "test_expert_parallel.py::test_a_checkpoint_saved_at_ep2_loads_bit_for_bit_at_any_degree",
+            "test_expert_parallel.py::test_resuming_at_ep2_is_exact_and_at_ep1_continues_the_run",
+            "test_expert_parallel.py::test_the_plan_counts_what_experts_hold_and_send",
+            "test_expert_parallel.py::test_init_from_transformers_files_computes_their_logits_at_every_position",
+            "test_expert_parallel.py::test_the_export_under_expert_parallelism_loads_back_in_transformers",
+            "test_expert_parallel.py::test_impossible_settings_are_refused_with_the_fix",
+            "test_expert_parallel.py::test_degrees_the_world_cannot_hold_are_refused_at_launch",
+            "test_expert_parallel.py::test_a_launch_beyond_the_world_is_refused_once_with_exit_code_2",
+        ],
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    ("selection", "name"), [(selection, name) for selection, (_, names, _) in SELECTIONS.items() for name in names]
+)
+def test_generated_selection(rendered, selection, name):
+    marks, _, must_pass = SELECTIONS[selection]
+    out = run_generated(rendered[name], marks, *must_pass)
+    if selection == "strategies_golden_losses":
+        assert " skipped" not in out, out[-2000:]  # every strategy applies to the debug model

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .config_math import ConfigMath
 from .spec import HFLayout, Linear, LoraLayout, ModelConfig, ModelShape, ModelSpec, StateDict
 
 
@@ -148,7 +149,7 @@ def gpt2_shape(m: GPT2Config) -> ModelShape:
                      linears=linears, lookups=m.max_seq_len * h)  # fmt: skip
 
 
-def to_hf(state: StateDict) -> StateDict:
+def to_hf(state: StateDict, cfg: GPT2Config) -> StateDict:
     """This model's state dict as GPT2LMHeadModel's: Conv1D weights are (in, out), q, k, v one c_attn."""
     out = {}
     for key, value in state.items():
@@ -171,7 +172,7 @@ def to_hf(state: StateDict) -> StateDict:
     return out
 
 
-def from_hf(state: StateDict) -> StateDict:
+def from_hf(state: StateDict, cfg: GPT2Config) -> StateDict:
     """GPT2LMHeadModel's state dict as this model's: to_hf undone."""
     out = {}
     for key, value in state.items():
@@ -217,12 +218,33 @@ def hf_config_json(m: GPT2Config) -> str:
     return json.dumps(config, indent=2)
 
 
+class GPT2Math(ConfigMath):
+    """GPT-2's config.json: n_inner, when a file leaves it out (null), is 4 x n_embd."""
+
+    def derive(self, math: dict, config: dict) -> dict:
+        return {**math, "n_inner": math["n_inner"] or 4 * math["n_embd"]}
+
+
+# The config.json fields that change what GPT2LMHeadModel computes, with transformers' GPT2Config defaults,
+# and the [model] key that sets each; this model fixes the rest in its code (GELU, a tied head, scaled attention).
+GPT2_MATH = GPT2Math(
+    fields={
+        "vocab_size": 50257, "n_positions": 1024, "n_embd": 768, "n_layer": 12, "n_head": 12, "n_inner": None,
+        "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5, "tie_word_embeddings": True,
+        "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
+    },
+    settings={
+        "vocab_size": "model.vocab_size", "n_positions": "model.max_seq_len", "n_embd": "model.dim",
+        "n_layer": "model.n_layers", "n_head": "model.n_heads", "layer_norm_epsilon": "model.layer_norm_eps",
+    },
+    notes={"n_inner": "it is 4 x model.dim here"},
+)  # fmt: skip
+
+
 SPEC = ModelSpec(
     config=GPT2Config,
     build=GPT2,
     shape=gpt2_shape,
-    # read_config: models/config_math.py compares the fields of Llama-family config.json files, which
-    # GPT-2's names otherwise; checkpoint.init_from then checks names and shapes only.
-    hf=HFLayout(to_hf=to_hf, from_hf=from_hf, config_json=hf_config_json, read_config=lambda directory: None),
+    hf=HFLayout(to_hf=to_hf, from_hf=from_hf, config_json=hf_config_json, config_math=GPT2_MATH),
     lora=LoraLayout(attention="attn", mlp="mlp"),
 )

@@ -95,12 +95,14 @@ def main(argv: list[str] | None = None) -> None:
     else:
         cfg = load_config(rest)
         written = save(load_checkpoint(args.checkpoint, cfg.model, cfg.finetune), cfg.model, args.out, args.to)
-        modules = peft_modules(model_spec(cfg.model.name), cfg.model) if cfg.finetune.method == "lora" else None
-        if modules is not None:  # as weights.export_weights does
+        spec = model_spec(cfg.model.name)
+        if cfg.finetune.method == "lora" and spec.hf:  # as weights.export_weights does
             adapters = load_checkpoint(args.checkpoint, cfg.model, cfg.finetune, merge=False)
-            print(f"wrote {written}")
-            written = save_adapter(adapters, finetune=cfg.finetune, init_from=cfg.checkpoint.init_from,
-                                   out=args.out / ADAPTER_DIR, modules=modules)  # fmt: skip
+            adapter = save_adapter(adapters, finetune=cfg.finetune, init_from=cfg.checkpoint.init_from,
+                                   out=args.out / ADAPTER_DIR, modules=peft_modules(spec, cfg.model))  # fmt: skip
+            if adapter is not None:
+                print(f"wrote {written}")
+                written = adapter
     print(f"wrote {written}")
 
 

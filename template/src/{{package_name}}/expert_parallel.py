@@ -23,6 +23,8 @@ of them by n again: the experts' gradients come out right and no other gradient 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed._functional_collectives as funcol
 from torch import nn
@@ -157,6 +159,17 @@ def local_experts(state: StateDict) -> tuple[StateDict, int]:
                                       stride=torch.empty(shape, device="meta").stride())  # fmt: skip
         first = value.device_mesh["ep"].get_local_rank() * shape[0]
     return out, first
+
+
+def split_experts(
+    state: StateDict, to_files: Callable[[StateDict, int], StateDict] | None
+) -> tuple[StateDict, StateDict]:
+    """`state` less its expert-parallel weights, and those weights as `to_files` of this rank's experts (views of
+    its shards, which DCP reads into and writes from in place: weights.py's Layout); with no `to_files` (no
+    adapter splits the experts) every weight stays in the first."""
+    split = {k: v for k, v in state.items() if to_files and is_expert_parallel(v)}
+    whole = {k: v for k, v in state.items() if k not in split}
+    return whole, (to_files(*local_experts(split)) if split else {})
 
 
 def check_expert_parallel(*, degree: int, shape: ModelShape, world_size: int, shard_size: int) -> None:

@@ -2,8 +2,8 @@
 
 Pretrained weights (`checkpoint.init_from`: a directory of safetensors files, this repo's names
 or a Hugging Face model's) are checked before the process group starts: what their config.json
-says the model computes (models/config_math.py), then names and shapes. They and exports are read
-and written through DCP's Hugging Face storage:
+says the model computes (the fields the model's adapter declares, models/config_math.py), then names
+and shapes. They and exports are read and written through DCP's Hugging Face storage:
 each rank reads or writes only the slices it holds, so no rank ever holds the whole model. An
 export is `model.safetensors`, or `model-0000x-of-0000y.safetensors` with an index once the model
 passes checkpoint.export_file_gb (5 GB, as transformers' save_pretrained). `safetensors` keeps
@@ -15,13 +15,12 @@ config.json come from the model and its spec, which the trainer resolves once an
 (`load` and `save`, for tools and tests, resolve it from the config). A LoRA model
 (finetune.method=lora) starts from pretrained or seeded base weights plus seeded adapters, and
 exports plain weights with the adapters merged in, which load anywhere the base model does, and
-the adapters alone as a PEFT adapter directory beside them (export/adapter: save_adapter), where
-the Hugging Face layout only renames the adapted layers. Converting a distributed checkpoint
+the adapters alone as a PEFT adapter directory beside them (export/adapter: save_adapter), for
+each adapted layer whose Hugging Face layout only renames it. Converting a distributed checkpoint
 offline: convert.py."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import logging
@@ -40,10 +39,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 
 from .checkpoint import checkpoint_to_resume
-from .config import CheckpointConfig, FinetuneConfig, UsageError
-from .expert_parallel import is_expert_parallel, local_experts
+from .config import JOB_WIDE, CheckpointConfig, FinetuneConfig, UsageError
+from .expert_parallel import split_experts
 from .models import ModelConfig, ModelSpec, model_spec
-from .models.config_math import mismatches
 from .models.lora import ADAPTERS, LoraSettings, apply_lora, initial_adapters, merge_adapters, peft_adapter
 from .models.spec import StateDict
 from .strategy import Strategy
@@ -88,17 +86,12 @@ class Layout(NamedTuple):
 
     def stored(self, state: StateDict) -> StateDict:
         """`state` (this repo's names) as the files hold it."""
-        return self.to_files(self.whole(state)) | self.experts(state)
+        whole, experts = self.split(state)
+        return self.to_files(whole) | experts
 
-    def whole(self, state: StateDict) -> StateDict:
-        """The stored weights that to_files maps whole: all, but expert-parallel weights that `experts` maps."""
-        return {k: state[k] for k in self.ours if not (self.local_experts and is_expert_parallel(state[k]))}
-
-    def experts(self, state: StateDict) -> StateDict:
-        """The files' tensors of this rank's experts, under expert parallelism: views of its shards, which DCP
-        reads into in place (expert_parallel.local_experts); empty otherwise."""
-        split = {k: state[k] for k in self.ours if self.local_experts and is_expert_parallel(state[k])}
-        return self.local_experts(*local_experts(split)) if split else {}
+    def split(self, state: StateDict) -> tuple[StateDict, StateDict]:
+        """The stored weights for to_files, and this rank's experts as the files hold them (expert_parallel.py)."""
+        return split_experts({k: state[k] for k in self.ours}, self.local_experts)
 
 
 def file_layout(spec: ModelSpec, cfg: ModelConfig, fmt: str, model: torch.nn.Module | None = None) -> Layout:
@@ -106,15 +99,23 @@ def file_layout(spec: ModelSpec, cfg: ModelConfig, fmt: str, model: torch.nn.Mod
     model (`model`: the base model, on the meta device, if the caller has built it)."""
     if fmt == "hf" and spec.hf is None:
         raise ValueError(f"model.name={cfg.name} has no Hugging Face layout: use safetensors")
-    to_files, from_files = (spec.hf.to_hf, spec.hf.from_hf) if fmt == "hf" else (dict, dict)
+    to_files, from_files = dict, dict
+    if fmt == "hf":  # the adapter, for this model's hyperparameters
+        to_files = functools.partial(_adapt, spec.hf.to_hf, cfg)
+        from_files = functools.partial(_adapt, spec.hf.from_hf, cfg)
     model = model or build_model_on_meta(spec, cfg)
     aliases = shared_keys(model)
     state = {k: v for k, v in model.state_dict().items() if k not in aliases}
     # On the meta device: the names and shapes the adapter makes, with nothing allocated.
     names = {k: list(v.shape) for k, v in to_files(state).items()}
-    return Layout(
-        to_files, from_files, tuple(state), aliases, names, spec.hf.to_hf_local_experts if fmt == "hf" else None
-    )
+    local = spec.hf.to_hf_local_experts if fmt == "hf" else None
+    experts = local and (lambda state, first: local(state, cfg, first))
+    return Layout(to_files, from_files, tuple(state), aliases, names, experts)
+
+
+def _adapt(adapter: Callable[[StateDict, ModelConfig], StateDict], cfg: ModelConfig, state: StateDict) -> StateDict:
+    """`adapter` (an HFLayout's to_hf or from_hf) of `state`, for the model `cfg` describes."""
+    return adapter(state, cfg)
 
 
 def stored_shapes(directory: Path) -> dict[str, list[int]]:
@@ -164,8 +165,9 @@ def match_layout(spec: ModelSpec, cfg: ModelConfig, directory: Path) -> Layout:
 
 
 def match_config(spec: ModelSpec, cfg: ModelConfig, directory: Path) -> None:
-    """ValueError naming every field of the directory's config.json that computes otherwise than this
-    model (models/config_math.py); nothing to compare without a config.json (this repo's safetensors export)."""
+    """ValueError naming every field of the directory's config.json that computes otherwise than this model,
+    among those its adapter declares (HFLayout.config_math, models/config_math.py); nothing to compare without a
+    config.json (this repo's safetensors export), or for a model that declares no fields (it is said once)."""
     hf = spec.hf
     theirs = hf.read_config(directory) if hf else None
     if theirs is None:
@@ -176,12 +178,14 @@ def match_config(spec: ModelSpec, cfg: ModelConfig, directory: Path) -> None:
             "weights for them: set those to what transformers computes, or start from weights this repo exported "
             "as safetensors"
         )
-    differences = mismatches(json.loads(hf.config_json(cfg)), theirs, {f.name for f in dataclasses.fields(cfg)})
-    if differences:
-        raise ValueError(
-            f"its config.json describes a model that computes otherwise than [model]: {'; '.join(differences)}"
-            + (f"; {hf.config_hint}" if hf.config_hint else "")
-        )
+    math = hf.math(cfg)
+    if math is None:
+        logger.warning("checkpoint.init_from=%s: model.name=%s declares no config.json fields (HFLayout.config_math), "
+                       "so only names and shapes are checked", directory, cfg.name, extra=JOB_WIDE)  # fmt: skip
+        return
+    refusal = math.refusal(json.loads(hf.config_json(cfg)), theirs, str(directory))
+    if refusal:
+        raise ValueError(f"its config.json describes a model that computes otherwise than [model]: {refusal}")
 
 
 def check_init_from(
@@ -211,9 +215,9 @@ def load_pretrained(model: torch.nn.Module, *, init_from: str, model_cfg: ModelC
     """Read checkpoint.init_from into the (sharded) model: every rank reads only the slices it holds."""
     directory = weights_dir(Path(init_from))
     layout = match_layout(spec, model_cfg, directory)
-    state = plain_tensors(get_model_state_dict(model))
-    whole = layout.to_files(layout.whole(state))
-    dcp.load(whole | layout.experts(state), storage_reader=HuggingFaceStorageReader(str(directory)))
+    whole, experts = layout.split(plain_tensors(get_model_state_dict(model)))
+    whole = layout.to_files(whole)
+    dcp.load(whole | experts, storage_reader=HuggingFaceStorageReader(str(directory)))
     # DCP filled the files' tensors: views of the shards (renamed or transposed) in place, or new ones
     # (fused). Setting the model from them, mapped back, covers both, and re-ties what it left out (tied heads);
     # this rank's experts under expert parallelism were views, filled in place.
@@ -272,14 +276,12 @@ def export_weights(
     if is_main and out.exists():
         shutil.rmtree(out)  # a previous export of this run dir (an extended run): replaced whole
     dist.barrier()
-    if layout.local_experts and stored.keys() != layout.names.keys():  # each rank holds some experts' tensors
-        dtype = next(iter(stored.values())).dtype  # every rank must number the files alike: by the whole model
-        stored_or_all = {k: torch.empty(shape, dtype=dtype, device="meta") for k, shape in layout.names.items()}
-    else:
-        stored_or_all = stored
+    # Under expert parallelism a rank holds some experts' tensors: every rank numbers the files by the whole model.
+    dtype = next(iter(stored.values())).dtype
+    whole = {k: torch.empty(shape, dtype=dtype, device="meta") for k, shape in layout.names.items()}
     writer = HuggingFaceStorageWriter(
         str(out),
-        fqn_to_index_mapping=file_index(stored_or_all, checkpoint.export_file_gb * 1e9),
+        fqn_to_index_mapping=file_index(whole if layout.local_experts else stored, checkpoint.export_file_gb * 1e9),
         save_distributed=True,
         enable_consolidation=True,
     )
@@ -298,22 +300,23 @@ def export_weights(
                        out=out / ADAPTER_DIR, is_main=is_main)  # fmt: skip
 
 
-def peft_modules(spec: ModelSpec, cfg: ModelConfig) -> dict[str, str] | None:
-    """This repo's name of each layer -> its transformers module's, for PEFT, which adapts transformers' modules
-    by name; None where the Hugging Face adapter does more than rename a weight alone (fuses, splits or
-    transposes it): no transformers module then computes what an adapted layer does."""
+def peft_modules(spec: ModelSpec, cfg: ModelConfig) -> dict[str, str]:
+    """This repo's name of each layer whose Hugging Face layout only renames it -> its transformers module's name,
+    for PEFT, which adapts transformers' modules by name. A layer whose weights the adapter fuses, splits or
+    transposes is left out: no transformers module computes what it does once adapted (empty without a layout)."""
     if spec.hf is None:
-        return None
-    modules = {}
+        return {}
+    renamed: dict[str, str | None] = {}
     for key, tensor in build_model_on_meta(spec, cfg).state_dict().items():
+        layer = key.rpartition(".")[0]
         try:
-            ((theirs, same),) = spec.hf.to_hf({key: tensor}).items()
-        except (KeyError, ValueError):  # the adapter needs other weights beside this one
-            return None
-        if same is not tensor:
-            return None
-        modules[key.rpartition(".")[0]] = theirs.rpartition(".")[0]
-    return modules
+            ((theirs, same),) = spec.hf.to_hf({key: tensor}, cfg).items()
+        except (KeyError, ValueError):  # the adapter needs other weights beside this one: it fuses them
+            same, theirs = None, ""
+        # A layer is renamed only if every parameter of it is (a bias renamed beside a transposed weight is not).
+        kept = same is tensor and renamed.get(layer, "") is not None
+        renamed[layer] = theirs.rpartition(".")[0] if kept else None
+    return {ours: theirs for ours, theirs in renamed.items() if theirs is not None}
 
 
 def export_adapter(
@@ -323,25 +326,32 @@ def export_adapter(
     """The adapters of a LoRA model's state dict, gathered whole (a collective: every rank calls this), written
     by rank 0 as a PEFT adapter directory (save_adapter). They are small: r (in + out) values per layer."""
     modules = peft_modules(spec, model_cfg)
-    if modules is None:
-        if is_main:
-            logger.warning("no PEFT adapter directory: model.name=%s's Hugging Face layout transforms its weights, "
-                           "so no transformers module computes what an adapted layer does", model_cfg.name)  # fmt: skip
-        return
     adapters = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()
                 if k.rpartition(".")[2] in ADAPTERS}  # fmt: skip
-    if is_main:
-        save_adapter(adapters, finetune=finetune, init_from=init_from, out=out, modules=modules)
+    if is_main and save_adapter(adapters, finetune=finetune, init_from=init_from, out=out, modules=modules):
         logger.info("exported the LoRA adapters alone to %s (peft.PeftModel.from_pretrained loads them)", out)
 
 
 def save_adapter(
     state: dict[str, torch.Tensor], *, finetune: FinetuneConfig, init_from: str, out: Path, modules: dict[str, str]
-) -> Path:
+) -> Path | None:
     """Write the adapters of a full LoRA state dict (this repo's names) into `out`, in one process, as PEFT does:
     adapter_config.json and adapter_model.safetensors, under the transformers module names of the base model
-    (checkpoint.init_from; `modules`: peft_modules), which `peft.PeftModel.from_pretrained(base_model, out)` adapts."""
-    tensors, config = peft_adapter(state, finetune, modules.__getitem__, init_from or None)
+    (checkpoint.init_from; `modules`: peft_modules), which `peft.PeftModel.from_pretrained(base_model, out)` adapts.
+
+    Adapted layers that `modules` leaves out (their layout is transformed) are named in a warning and left out:
+    the merged export holds them. None, and nothing written, when no adapted layer is left."""
+    layers = sorted({k.rpartition(".")[0] for k in state if k.rpartition(".")[2] in ADAPTERS})
+    left_out = [layer for layer in layers if layer not in modules]
+    if left_out:
+        logger.warning("the PEFT adapter directory leaves out %d of %d adapted layers (%s%s): the Hugging Face layout "
+                       "transforms their weights, so no transformers module computes what they do; the merged "
+                       "export holds them", len(left_out), len(layers), ", ".join(left_out[:3]),
+                       ", ..." if len(left_out) > 3 else "")  # fmt: skip
+    kept = {k: v for k, v in state.items() if k.rpartition(".")[0] in modules}
+    if not any(k.rpartition(".")[2] in ADAPTERS for k in kept):
+        return None
+    tensors, config = peft_adapter(kept, finetune, modules.__getitem__, init_from or None)
     out.mkdir(parents=True, exist_ok=True)
     (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
     save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, out / "adapter_model.safetensors",

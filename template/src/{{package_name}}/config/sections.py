@@ -215,6 +215,8 @@ class DataConfig:
     """memmap, sft: the token file (`python -m <package>.data prepare` writes it and sft's mask); image_folder: root."""
     dtype: Literal["uint16", "uint32"] = "uint16"
     """memmap, sft: token dtype of the file (uint16 for vocabularies up to 65536)."""
+    tokenizer: str = ""
+    """memmap, sft: the local tokenizer `data prepare` used (--tokenizer); generate.py reads and writes text with it."""
     shard_by: Literal["global", "rank"] = "global"
     """global: every rank slices the same global batches; rank: each rank reads its own contiguous part."""
     uneven_inputs: Literal["min", "join"] = "min"

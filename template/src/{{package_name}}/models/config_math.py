@@ -2,71 +2,90 @@
 
 Names and shapes (weights.match_layout) cannot tell apart two models that compute different
 functions with the same tensors: another rotary base or scaling, norm epsilon, tied embeddings,
-biases or attention window. checkpoint.init_from therefore also compares the checkpoint's
-config.json with the one this config's model exports (its spec's `hf.config_json`), field by
-field, before the process group starts. `computed_by` reads either form transformers writes:
-transformers 5's `rope_parameters`, or the `rope_theta` and `rope_scaling` of older files and of
-Meta's published Llama 3.x configs; a key a file leaves out means what it means to transformers'
-LlamaConfig. Plain Python: nothing here imports torch.
+biases or attention window. So a model's state-dict adapter declares its config.json math
+(HFLayout.config_math, a `ConfigMath`): the fields that change what it computes, what each means
+when a file leaves it out, and the [model] key that sets it. checkpoint.init_from compares the
+checkpoint's config.json with the one this config's model exports (its spec's `hf.config_json`),
+field by field, before the process group starts, and a refusal names the model's own key.
+
+`LLAMA` is the Llama family's (the built-in decoder, and transformers' llama, qwen2 and mistral);
+it reads either form transformers writes: transformers 5's `rope_parameters`, or the `rope_theta`
+and `rope_scaling` of older files and of Meta's published Llama 3.x configs; a key a file leaves out
+means what it means to transformers' LlamaConfig. Plain Python: nothing here imports torch.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Collection
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
-MATH_FIELDS: dict[str, object] = {
-    "hidden_size": None,
-    "num_hidden_layers": None,
-    "num_attention_heads": None,
-    "num_key_value_heads": None,  # missing: num_attention_heads (no grouped-query attention)
-    "head_dim": None,  # missing: hidden_size / num_attention_heads
-    "intermediate_size": None,
-    "vocab_size": None,
-    "hidden_act": "silu",
-    "rope_theta": 10000.0,
-    "rope_scaling": None,  # None: plain rotary frequencies; else the rule and its parameters
-    "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": False,
-    "attention_bias": False,
-    "mlp_bias": False,
-    "sliding_window": None,  # None: every position attends to every earlier one
-    # A mixture of experts (Qwen3-MoE); a dense model's file has none of these, and neither does its export.
-    "num_experts": None,
-    "num_experts_per_tok": None,
-    "moe_intermediate_size": None,
-    "norm_topk_prob": False,
-    "decoder_sparse_step": 1,
-    "mlp_only_layers": [],
-}
-"""The config.json fields that change what a decoder computes, with what each means when a file leaves it out."""
 
-SETTINGS = {
-    "hidden_size": "model.dim",
-    "num_hidden_layers": "model.n_layers",
-    "num_attention_heads": "model.n_heads",
-    "num_key_value_heads": "model.n_kv_heads",
-    "intermediate_size": "model.ffn_hidden_dim",
-    "vocab_size": "model.vocab_size",
-    "rope_theta": "model.rope_theta",
-    "rope_scaling": "model.rope_scaling",
-    "rms_norm_eps": "model.norm_eps",
-    "tie_word_embeddings": "model.tie_embeddings",
-}
-"""The config key that sets each field; no [model] key sets the others (head_dim follows dim / n_heads)."""
+@dataclass(frozen=True)
+class ConfigMath:
+    """The config.json fields that change what a model computes, and how they map to its [model] keys.
 
-MOE_SETTINGS = {
-    "head_dim": "model.head_dim",
-    "num_experts": "model.num_experts",
-    "num_experts_per_tok": "model.num_experts_per_tok",
-    "moe_intermediate_size": "model.moe_intermediate_size",
-    "norm_topk_prob": "model.norm_topk_prob",
-    "decoder_sparse_step": "model.decoder_sparse_step",
-    "mlp_only_layers": "model.mlp_only_layers",
-}
-"""The keys of a mixture of experts' [model] (models/qwen3_moe), for the fields SETTINGS leaves out; a model
-whose [model] has no such key (`fields` of mismatches) is told that no key sets it."""
+    A model declares one in its state-dict adapter (HFLayout.config_math); a model whose fields are
+    not plain values (several file forms, fields that follow others) subclasses it and overrides
+    `derive`, and `assignment` where a [model] key is set otherwise than `key = value`.
+    """
+
+    fields: dict[str, object]
+    """Each field that changes what the model computes -> what it means when a file leaves it out."""
+    settings: dict[str, str] = field(default_factory=dict)
+    """Field -> the [model] key that sets it (`model.<name>`); the model's own code fixes the others."""
+    notes: dict[str, str] = field(default_factory=dict)
+    """Field -> why no [model] key sets it, where that is more than "no [model] key sets it"."""
+    here: str = "here"
+    """What the model of this config is called in a refusal ("X is a there and b here")."""
+    per_field_fix: bool = True
+    """Name each field's fix after it (the key to set); False: `hint` is the one fix."""
+    hint: Callable[[str, list[str]], str] | None = None
+    """The fix that builds the model from the checkpoint's own config.json, given the checkpoint's directory
+    and the [model] settings that must come with it (None: the model has no such setting)."""
+
+    def computed_by(self, config: dict) -> dict:
+        """The fields a config.json sets (defaults for the ones it leaves out), in one form whichever wrote it."""
+        return self.derive({name: config.get(name, default) for name, default in self.fields.items()}, config)
+
+    def derive(self, math: dict, config: dict) -> dict:
+        """`math` (the fields as the file has them) in the one form they are compared in: a subclass's hook."""
+        return math
+
+    def assignment(self, name: str, theirs: object) -> str | None:
+        """The [model] setting that makes this model compute what `theirs` says (None: no key sets `name`)."""
+        key = self.settings.get(name)
+        return None if key is None else f"{key} = {json.dumps(theirs)}"
+
+    def why_unset(self, name: str, theirs: object) -> str:
+        """Why no [model] setting makes this model compute what `theirs` says of `name`."""
+        return self.notes.get(name, "no [model] key sets it")
+
+    def differences(self, ours: dict, theirs: dict) -> list[tuple[str, object, object]]:
+        """(field, theirs, ours) for every field where the config.json `theirs` computes otherwise than `ours`."""
+        ours, theirs = self.computed_by(ours), self.computed_by(theirs)
+        return [(name, theirs[name], ours[name]) for name in self.fields if theirs[name] != ours[name]]
+
+    def explain(self, ours: dict, theirs: dict) -> tuple[list[str], list[str]]:
+        """What differs where the config.json `theirs` computes otherwise than `ours`: a clause per field (with its
+        fix unless `per_field_fix` is off), and the [model] settings that make this model compute what `theirs` does."""
+        said, assignments = [], []
+        for name, there, here in self.differences(ours, theirs):
+            setting = self.assignment(name, there)
+            assignments += [setting] if setting else []
+            fix = f"set {setting}" if setting else self.why_unset(name, there)
+            clause = f"{name} is {there!r} there and {here!r} {self.here}"
+            said.append(f"{clause} ({fix})" if self.per_field_fix else clause)
+        return said, assignments
+
+    def refusal(self, ours: dict, theirs: dict, directory: str) -> str:
+        """Every field where `theirs` (the config.json in `directory`) computes otherwise than `ours`, then `hint`;
+        empty when they compute the same."""
+        said, assignments = self.explain(ours, theirs)
+        if said and self.hint:
+            said.append(self.hint(directory, assignments))
+        return "; ".join(said)
 
 
 def read_config_json(directory: Path) -> dict | None:
@@ -75,46 +94,86 @@ def read_config_json(directory: Path) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
+class LlamaMath(ConfigMath):
+    """The Llama family's config.json: rotary settings in either form, head size and key/value heads that
+    follow others when a file leaves them out, and qwen2's sliding window that it does not use."""
+
+    def derive(self, math: dict, config: dict) -> dict:
+        heads = math["num_attention_heads"]
+        math["num_key_value_heads"] = math["num_key_value_heads"] or heads
+        math["head_dim"] = math["head_dim"] or (math["hidden_size"] // heads if heads else None)
+        rope = {k: v for k, v in dict(config.get("rope_parameters") or config.get("rope_scaling") or {}).items()
+                if v is not None}  # fmt: skip
+        math["rope_theta"] = float(rope.pop("rope_theta", math["rope_theta"]))
+        rope_type = rope.pop("rope_type", rope.pop("type", "default"))  # files before transformers 4.45 say "type"
+        scaled = {"rope_type": rope_type, **dict(sorted(rope.items()))}
+        math["rope_scaling"] = None if rope_type == "default" else scaled
+        if not config.get("use_sliding_window", True):  # qwen2 writes a window it does not use
+            math["sliding_window"] = None
+        return math
+
+    def assignment(self, name: str, theirs: object) -> str | None:
+        key = self.settings.get(name)
+        if name != "rope_scaling" or key is None:
+            return super().assignment(name, theirs)
+        if theirs is None:
+            return f'{key}.rope_type = "none"'
+        if theirs.get("rope_type") != "llama3":
+            return None  # [model] computes none or llama3 (notes says so)
+        return f"[{key}] {', '.join(f'{k} = {json.dumps(v)}' for k, v in theirs.items())}"
+
+    def why_unset(self, name: str, theirs: object) -> str:
+        if name == "rope_scaling":
+            return f"{self.settings[name]} computes none or llama3, not {theirs.get('rope_type')!r}"
+        return super().why_unset(name, theirs)
+
+
+LLAMA = LlamaMath(
+    fields={
+        "hidden_size": None,
+        "num_hidden_layers": None,
+        "num_attention_heads": None,
+        "num_key_value_heads": None,  # missing: num_attention_heads (no grouped-query attention)
+        "head_dim": None,  # missing: hidden_size / num_attention_heads
+        "intermediate_size": None,
+        "vocab_size": None,
+        "hidden_act": "silu",
+        "rope_theta": 10000.0,
+        "rope_scaling": None,  # None: plain rotary frequencies; else the rule and its parameters
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "sliding_window": None,  # None: every position attends to every earlier one
+    },
+    settings={
+        "hidden_size": "model.dim",
+        "num_hidden_layers": "model.n_layers",
+        "num_attention_heads": "model.n_heads",
+        "num_key_value_heads": "model.n_kv_heads",
+        "intermediate_size": "model.ffn_hidden_dim",
+        "vocab_size": "model.vocab_size",
+        "rope_theta": "model.rope_theta",
+        "rope_scaling": "model.rope_scaling",
+        "rms_norm_eps": "model.norm_eps",
+        "tie_word_embeddings": "model.tie_embeddings",
+    },
+    notes={
+        "head_dim": "it is model.dim / model.n_heads here",
+    },
+)
+"""The Llama family's config.json math: the built-in decoder's and transformers' llama, qwen2 and mistral."""
+
+# The Llama family's declaration by its parts, as earlier releases named them.
+MATH_FIELDS: dict[str, object] = LLAMA.fields
+SETTINGS: dict[str, str] = LLAMA.settings
+
+
 def computed_by(config: dict) -> dict:
-    """The fields of MATH_FIELDS a config.json sets, in one form whichever transformers wrote it."""
-    math = {field: config.get(field, default) for field, default in MATH_FIELDS.items()}
-    heads = math["num_attention_heads"]
-    math["num_key_value_heads"] = math["num_key_value_heads"] or heads
-    # Qwen's own files say num_experts; transformers 5 writes the same count as num_local_experts.
-    math["num_experts"] = config.get("num_experts", config.get("num_local_experts"))
-    math["head_dim"] = math["head_dim"] or (math["hidden_size"] // heads if heads else None)
-    rope = {k: v for k, v in dict(config.get("rope_parameters") or config.get("rope_scaling") or {}).items()
-            if v is not None}  # fmt: skip
-    math["rope_theta"] = float(rope.pop("rope_theta", math["rope_theta"]))
-    rope_type = rope.pop("rope_type", rope.pop("type", "default"))  # files before transformers 4.45 say "type"
-    math["rope_scaling"] = None if rope_type == "default" else {"rope_type": rope_type, **dict(sorted(rope.items()))}
-    if not config.get("use_sliding_window", True):  # qwen2 writes a window it does not use
-        math["sliding_window"] = None
-    return math
+    """The Llama family's fields a config.json sets (LLAMA.computed_by)."""
+    return LLAMA.computed_by(config)
 
 
-def mismatches(ours: dict, theirs: dict, fields: Collection[str] = ()) -> list[str]:
-    """Every field where `theirs` (the checkpoint's config.json) computes otherwise than `ours`, with the fix;
-    `fields`: the keys of this model's [model], which say whether one of them sets a field."""
-    ours, theirs = computed_by(ours), computed_by(theirs)
-    return [
-        _differs(field, theirs[field], ours[field], fields) for field in MATH_FIELDS if theirs[field] != ours[field]
-    ]
-
-
-def _differs(field: str, theirs: object, ours: object, fields: Collection[str] = ()) -> str:
-    said = f"{field} is {theirs!r} there and {ours!r} here"
-    if field in MOE_SETTINGS and MOE_SETTINGS[field].removeprefix("model.") in fields:
-        return f"{said} (set {MOE_SETTINGS[field]} = {json.dumps(theirs)})"
-    if field == "head_dim":
-        return f"{said} (it is model.dim / model.n_heads here)"
-    if field not in SETTINGS:
-        return f"{said} (no [model] key sets it)"
-    key = SETTINGS[field]
-    if field != "rope_scaling":
-        return f"{said} (set {key} = {json.dumps(theirs)})"
-    if theirs is None:
-        return f'{said} (set {key}.rope_type = "none")'
-    if theirs.get("rope_type") != "llama3":
-        return f"{said} ({key} computes none or llama3, not {theirs.get('rope_type')!r})"
-    return f"{said} (set [{key}] {', '.join(f'{k} = {json.dumps(v)}' for k, v in theirs.items())})"
+def mismatches(ours: dict, theirs: dict) -> list[str]:
+    """Every Llama-family field where `theirs` computes otherwise than `ours`, with the fix (LLAMA.refusal)."""
+    return LLAMA.explain(ours, theirs)[0]

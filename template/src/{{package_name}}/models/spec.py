@@ -4,8 +4,10 @@ Each model module defines its hyperparameters (a dataclass extending `ModelConfi
 table of a config that names it) and `SPEC = ModelSpec(...)`; models/__init__.py maps
 `model.name` to the module. From the spec, config/ types and checks `[model]` (`config`),
 plan/ sizes memory and metrics.py counts FLOPs (`shape`: sizes and cost terms), data/ feeds `inputs`,
-weights.py maps the weights to and from Hugging Face (`hf`, a state-dict adapter), models/lora.py places adapters
-(`lora`), and parallelize.py splits the model for tensor parallelism (`tp_plan`). The nn.Module it
+weights.py maps the weights to and from Hugging Face (`hf`, a state-dict adapter, which also declares
+the config.json fields that change what the model computes), models/lora.py places adapters
+(`lora`), parallelize.py splits the model for tensor parallelism (`tp_plan`), and generate.py
+keeps its keys and values between tokens (`kv_cache`, a KVCache). The nn.Module it
 builds meets the module contract in models/__init__.py. Plain Python and torch: nothing here
 imports torch.distributed, or the rest of the repo (config/ imports the models, never the other
 way round).
@@ -22,7 +24,7 @@ from typing import Generic, Literal, NamedTuple, TypeVar
 import torch
 from torch import nn
 
-from .config_math import read_config_json
+from .config_math import ConfigMath, read_config_json
 
 
 @dataclass
@@ -179,47 +181,57 @@ class RenameTable:
                 return target.format(**match.groupdict())
         raise ValueError(f"no {'Hugging Face' if to_hf else 'repo'} name for parameter {name!r}")
 
-    def to_hf(self, state: StateDict) -> StateDict:
-        """`state` under the Hugging Face names: the same tensors."""
+    def to_hf(self, state: StateDict, cfg: ModelConfig | None = None) -> StateDict:
+        """`state` under the Hugging Face names: the same tensors (a renaming needs no hyperparameter of `cfg`)."""
         return {self.rename(k, to_hf=True): v for k, v in state.items()}
 
-    def from_hf(self, state: StateDict) -> StateDict:
+    def from_hf(self, state: StateDict, cfg: ModelConfig | None = None) -> StateDict:
         """A Hugging Face state dict under this repo's names: the same tensors."""
         return {self.rename(k, to_hf=False): v for k, v in state.items()}
 
 
 @dataclass(frozen=True)
-class HFLayout:
+class HFLayout(Generic[C]):
     """How a model's weights map onto a Hugging Face transformers checkpoint (checkpoint.init_from, export=hf).
 
     `to_hf` and `from_hf` are a state-dict adapter: functions over tensors, inverse to each other,
-    that may rename, transpose, permute, fuse or split, so a model keeps the layout it computes
-    with and still reads and writes the Hugging Face one. weights.py calls them on full tensors
-    and on this rank's shards (DTensors) alike: an export writes `to_hf` of the sharded weights,
-    and `checkpoint.init_from` reads into `to_hf` of them, then sets the model from `from_hf` of
-    what it read (torchtitan's order). So they use torch ops, which DTensor runs shard by shard: a
-    transpose or a slice is a view of the shards, while concatenating along the dimension FSDP
-    splits (Shard(0)) gathers the tensor whole on every rank. They map every key of the model's
-    state dict, a tied head's too (weights.py leaves its copy out of the files).
+    that may rename, transpose, permute, fuse or split, so a model keeps the layout it computes with
+    and still reads and writes the Hugging Face one. They receive the model's config too, for the
+    layouts that depend on a hyperparameter (a fused `query_key_value` laid out head by head needs the
+    head size). weights.py calls them on full tensors and on this rank's shards (DTensors) alike: an
+    export writes `to_hf` of the sharded weights, and `checkpoint.init_from` reads into `to_hf` of
+    them, then sets the model from `from_hf` of what it read (torchtitan's order). So they use torch
+    ops, which DTensor runs shard by shard: a transpose or a slice is a view of the shards, while
+    concatenating along the dimension FSDP splits (Shard(0)) gathers the tensor whole on every rank.
+    They map every key of the model's state dict, a tied head's too (weights.py leaves its copy out of
+    the files). A LoRA export writes a PEFT adapter for every adapted layer that `to_hf` only renames.
+
+    `config_math` declares which config.json fields change what the model computes and which [model]
+    key sets each (models/config_math.py): checkpoint.init_from compares a checkpoint's config.json
+    with `config_json`'s on those fields, and a refusal names the model's own key.
     """
 
-    to_hf: Callable[[StateDict], StateDict]
-    """This repo's state dict -> the transformers one (names, and where they differ, layouts)."""
-    from_hf: Callable[[StateDict], StateDict]
+    to_hf: Callable[[StateDict, C], StateDict]
+    """This repo's state dict -> the transformers one (names, and where they differ, layouts), for the model of `C`."""
+    from_hf: Callable[[StateDict, C], StateDict]
     """The transformers state dict -> this repo's."""
-    config_json: Callable[[ModelConfig], str]
+    config_json: Callable[[C], str]
     """The config.json that makes `AutoModelForCausalLM.from_pretrained` build this model."""
+    config_math: ConfigMath | Callable[[C], ConfigMath] | None = None
+    """The config.json fields that change what the model computes and the [model] keys that set them, or a function
+    of the model's config that gives them (None: checkpoint.init_from checks names and shapes only, and says so)."""
     read_config: Callable[[Path], dict | None] = read_config_json
-    """A weights directory's config.json, complete (None if it has none); checkpoint.init_from compares
-    what it computes with `config_json`'s (models/config_math.py)."""
-    config_hint: str = ""
-    """Another fix for a config.json that computes otherwise, appended to the refusal."""
-    errors: Callable[[ModelConfig], list[str]] = lambda cfg: []
+    """A weights directory's config.json, complete (None if it has none), for the comparison."""
+    errors: Callable[[C], list[str]] = lambda cfg: []
     """What keeps transformers' class from computing the model a config describes (export=hf is refused at launch)."""
-    to_hf_local_experts: Callable[[StateDict, int], StateDict] | None = None
+    to_hf_local_experts: Callable[[StateDict, C, int], StateDict] | None = None
     """`to_hf` under expert parallelism, where each stacked expert weight holds this rank's experts only, the
-    first of them expert `first` (weights.py passes each as a DTensor over the ranks that share those experts,
-    so a slice per expert is a view of this rank's shard); None: the model has no stacked experts."""
+    first of them expert `first` (the third argument; weights.py passes each as a DTensor over the ranks that
+    share those experts, so a slice per expert is a view of this rank's shard); None: no stacked experts."""
+
+    def math(self, cfg: C) -> ConfigMath | None:
+        """The config.json math of the model `cfg` describes (None: it declares none)."""
+        return self.config_math(cfg) if callable(self.config_math) else self.config_math
 
 
 @dataclass(frozen=True)
@@ -271,6 +283,51 @@ class TensorParallelPlan:
     layer (transformers builds its attention mask from the length its layers see)."""
 
 
+class BlockCache:
+    """One block's cached keys and values, grown along the sequence by each `update`."""
+
+    def __init__(self) -> None:
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        """Positions held."""
+        return 0 if self.keys is None else self.keys.shape[-2]
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append this forward's keys and values (batch, heads, new positions, head size); return every position's."""
+        if self.keys is not None:
+            keys, values = torch.cat([self.keys, keys], dim=-2), torch.cat([self.values, values], dim=-2)
+        self.keys, self.values = keys, values
+        return keys, values
+
+
+class KVCache:
+    """The keys and values of the positions a decoder has seen, one BlockCache per block, grown by every forward.
+
+    It is what lets generation (generate.py) run a prompt once (prefill) and then one position a
+    step, each new position attending to the cached ones instead of recomputing them. A model
+    whose SPEC.kv_cache makes one takes it as `forward(tokens, cache=...)`: `tokens` are then the
+    positions after the `length` cached ones, and block i's attention calls `blocks[i].update` with
+    its new keys and values and attends to all that comes back. Any model whose blocks attend over
+    keys and values meets it, a mixture-of-experts one too (its experts keep nothing between positions).
+    """
+
+    def __init__(self, blocks: int) -> None:
+        self.blocks = [BlockCache() for _ in range(blocks)]
+
+    @property
+    def length(self) -> int:
+        """Positions cached. Read it before a forward extends the cache: its first block grows first."""
+        return self.blocks[0].length
+
+
+def new_kv_cache(model: nn.Module) -> KVCache:
+    """An empty KVCache for a model whose blocks are `model.layers` (a ModelSpec's `kv_cache`)."""
+    return KVCache(len(model.layers))
+
+
 @dataclass(frozen=True)
 class ModelSpec(Generic[C]):
     """Everything outside models/ needs to know about one model family."""
@@ -295,6 +352,9 @@ class ModelSpec(Generic[C]):
     """Why the model has no tensor-parallel plan, for the refusal."""
     lora_refusal: str = ""
     """Why the model has no LoRA layout (SPEC.lora None), for the refusal."""
+    kv_cache: Callable[[nn.Module], object] | None = None
+    """A new, empty key/value cache for the built model (a KVCache, or the model's own kind), which its forward
+    then takes as `cache=` (generate.py); None: generation recomputes the whole sequence for every token."""
 
     def tensor_parallel_plan(self, cfg: C) -> TensorParallelPlan | None:
         """The tensor-parallel plan of the model `cfg` describes (None: the model has none)."""

@@ -9,7 +9,8 @@ Every public name of those files is re-exported, so `from <package>.models.llama
 file name; the ViT, hf_causal_lm and the custom stub build on the blocks and the cost terms.
 """
 
-from ..spec import HFLayout, LoraLayout, ModelSpec
+from ..config_math import LLAMA
+from ..spec import HFLayout, LoraLayout, ModelSpec, new_kv_cache
 from .hf import HF_NAMES, hf_config_json
 from .model import (
     DEBUG,
@@ -21,6 +22,7 @@ from .model import (
     LlamaConfig,
     RopeScaling,
     apply_rope,
+    causal_mask,
     model_rope_cache,
     rope_cache,
     rope_frequencies,
@@ -43,6 +45,7 @@ __all__ = [
     "RopeScaling",
     "apply_rope",
     "block_shape",
+    "causal_mask",
     "decoder_shape",
     "decoder_tp_errors",
     "hf_config_json",
@@ -59,7 +62,9 @@ SPEC = ModelSpec(
         to_hf=HF_NAMES.to_hf,
         from_hf=HF_NAMES.from_hf,
         config_json=hf_config_json,
+        config_math=LLAMA,
     ),
     lora=LoraLayout(attention="attention", mlp="feed_forward"),
     tp_plan=TP_PLAN,
+    kv_cache=new_kv_cache,
 )

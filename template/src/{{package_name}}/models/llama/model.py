@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...presets import LLAMA3_ROPE_SCALING, LLAMA_PRESETS
-from ..spec import ModelConfig
+from ..spec import BlockCache, KVCache, ModelConfig
 
 # The defaults are the debug preset's (configs/debug.toml), from presets.py.
 DEBUG = LLAMA_PRESETS["debug"]
@@ -166,7 +166,9 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: torch.Tensor | None = None, cache: BlockCache | None = None
+    ) -> torch.Tensor:
         bsz, seq_len, _ = x.shape
         # Head counts come from the projections' outputs: under tensor parallelism each rank
         # computes only its share of the heads (parallel.tensor_parallel divides both counts).
@@ -176,8 +178,25 @@ class Attention(nn.Module):
         if rope is not None:  # a decoder; the ViT encoder has learned positions instead
             q, k = apply_rope(q, rope), apply_rope(k, rope)
         gqa = k.shape[1] != q.shape[1]
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=rope is not None, enable_gqa=gqa)
+        if cache is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=rope is not None, enable_gqa=gqa)
+        else:  # generation: these positions follow the cached ones, and attend to them too
+            cached = cache.length
+            k, v = cache.update(k, v)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(seq_len, cached, x.device),
+                                                 is_causal=cached == 0, enable_gqa=gqa)  # fmt: skip
         return self.wo(out.transpose(1, 2).reshape(bsz, seq_len, -1))
+
+
+def causal_mask(new: int, cached: int, device=None) -> torch.Tensor | None:
+    """Which keys each of `new` positions after `cached` ones may attend to (every earlier position and itself).
+
+    None where scaled_dot_product_attention needs no mask: a prompt with nothing cached (is_causal, whose
+    mask is aligned to the first key) and one new position (it sees every key).
+    """
+    if cached == 0 or new == 1:
+        return None
+    return torch.ones(new, cached + new, dtype=torch.bool, device=device).tril(diagonal=cached)
 
 
 class FeedForward(nn.Module):
@@ -204,9 +223,14 @@ class Block(nn.Module):
         self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: torch.Tensor | None = None, cache: BlockCache | None = None
+    ) -> torch.Tensor:
         # rope by keyword: tensor parallelism all-gathers the first positional input only.
-        x = x + self.attention(self.attention_norm(x), rope=rope)
+        if cache is None:
+            x = x + self.attention(self.attention_norm(x), rope=rope)
+        else:
+            x = x + self.attention(self.attention_norm(x), rope=rope, cache=cache)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -224,10 +248,17 @@ class Llama(nn.Module):
         # checkpoints, which is why init_buffers must recompute it after to_empty().
         self.register_buffer("rope", model_rope_cache(cfg), persistent=False)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """Logits of every position of `tokens`; with a `cache` (generation), `tokens` are the positions after the
+        cached ones, and their keys and values join the cache."""
         h = self.tok_embeddings(tokens)
-        for layer in self.layers:
-            h = layer(h, self.rope)
+        if cache is None:
+            for layer in self.layers:
+                h = layer(h, self.rope)
+        else:
+            rope = self.rope[cache.length :]  # the rotary angles of these positions
+            for layer, block_cache in zip(self.layers, cache.blocks, strict=True):
+                h = layer(h, rope, cache=block_cache)
         return self.output(self.norm(h))
 
     def tie_weights(self) -> None:

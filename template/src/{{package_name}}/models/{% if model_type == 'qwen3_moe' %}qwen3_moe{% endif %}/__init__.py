@@ -9,7 +9,7 @@ Every public name of those files is re-exported, so `from <package>.models.qwen3
 """
 
 from ..spec import HFLayout, ModelSpec
-from .hf import NAMES, config_json, from_hf, hf_errors, to_hf
+from .hf import NAMES, QWEN3_MOE, config_json, from_hf, hf_errors, to_hf
 from .model import Attention, Block, Qwen3Moe, Qwen3MoeConfig
 from .moe import (
     LOAD,
@@ -29,6 +29,7 @@ __all__ = [
     "LOAD",
     "NAMES",
     "PROB",
+    "QWEN3_MOE",
     "SPEC",
     "Attention",
     "Block",
@@ -54,7 +55,14 @@ SPEC = ModelSpec(
     config=Qwen3MoeConfig,
     build=Qwen3Moe,
     shape=moe_shape,
-    hf=HFLayout(to_hf=to_hf, from_hf=from_hf, config_json=config_json, errors=hf_errors, to_hf_local_experts=to_hf),
+    hf=HFLayout(
+        to_hf=to_hf,
+        from_hf=from_hf,
+        config_json=config_json,
+        config_math=QWEN3_MOE,
+        errors=hf_errors,
+        to_hf_local_experts=to_hf,
+    ),
     # No LoRA: models/lora.py adapts nn.Linear layers, and the routed experts, where a MoE's weights are,
     # are stacked 3-D parameters (GroupedExperts); adapters on attention alone would train a sliver of it.
     lora=None,

@@ -20,6 +20,7 @@ import re
 
 import torch
 
+from ..config_math import LLAMA, LlamaMath
 from ..spec import RenameTable, StateDict
 from .model import Qwen3MoeConfig
 
@@ -51,7 +52,7 @@ OURS = re.compile(r"layers\.(\d+)\.moe\.experts\.(w[123])")
 THEIRS = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 
 
-def to_hf(state: StateDict, first_expert: int = 0) -> StateDict:
+def to_hf(state: StateDict, cfg: Qwen3MoeConfig | None = None, first_expert: int = 0) -> StateDict:
     """This model's state dict under the checkpoint files' names, each stacked expert weight split into
     its experts (views of it, so DCP can read a checkpoint into them in place). Under expert parallelism a
     stacked weight holds this rank's experts only, numbered from `first_expert` (SPEC.hf.to_hf_local_experts)."""
@@ -66,7 +67,7 @@ def to_hf(state: StateDict, first_expert: int = 0) -> StateDict:
     return out
 
 
-def from_hf(state: StateDict) -> StateDict:
+def from_hf(state: StateDict, cfg: Qwen3MoeConfig | None = None) -> StateDict:
     """A checkpoint's state dict (the hub's per-expert tensors) under this model's names, each layer's
     experts stacked into one weight per projection, in expert order."""
     out, experts = {}, {}
@@ -83,6 +84,41 @@ def from_hf(state: StateDict) -> StateDict:
         stacked = torch.stack([by_expert[e] for e in range(len(by_expert))])
         out[f"layers.{layer}.moe.experts.{weights[projection]}"] = stacked
     return out
+
+
+class Qwen3MoeMath(LlamaMath):
+    """Qwen3-MoE's config.json: the Llama family's, and its experts. Qwen's files count them as `num_experts`,
+    transformers 5 writes `num_local_experts`: either is read."""
+
+    def derive(self, math: dict, config: dict) -> dict:
+        math = super().derive(math, config)
+        math["num_experts"] = config.get("num_experts", config.get("num_local_experts"))
+        return math
+
+
+QWEN3_MOE = Qwen3MoeMath(
+    fields={
+        **LLAMA.fields,
+        "num_experts": None,
+        "num_experts_per_tok": None,
+        "moe_intermediate_size": None,
+        "norm_topk_prob": False,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    },  # fmt: skip
+    settings={
+        **LLAMA.settings,
+        "head_dim": "model.head_dim",
+        "num_experts": "model.num_experts",
+        "num_experts_per_tok": "model.num_experts_per_tok",
+        "moe_intermediate_size": "model.moe_intermediate_size",
+        "norm_topk_prob": "model.norm_topk_prob",
+        "decoder_sparse_step": "model.decoder_sparse_step",
+        "mlp_only_layers": "model.mlp_only_layers",
+    },  # fmt: skip
+)
+"""The config.json fields that change what this model computes (models/config_math.py): the Llama family's,
+head_dim set by its own key, and the experts'."""
 
 
 def hf_errors(cfg: Qwen3MoeConfig) -> list[str]:
