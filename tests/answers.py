@@ -120,7 +120,12 @@ MATRIX = {
     # Blackwell nodes (render checks only).
     "cpu_moe": {"accelerator": "cpu", "model_type": "qwen3_moe"},
     "moe_30b_h100": {"model_type": "qwen3_moe"},
-    "moe_235b_blackwell": {"model_type": "qwen3_moe", "model_size": "235b-a22b", "gpu_arch": "blackwell", "num_nodes": 4},
+    "moe_235b_blackwell": {
+        "model_type": "qwen3_moe",
+        "model_size": "235b-a22b",
+        "gpu_arch": "blackwell",
+        "num_nodes": 4,
+    },
     # gloo on CUDA (slow but valid per the capability table).
     "cuda_gloo": {
         "gpu_arch": "ampere",

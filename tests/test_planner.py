@@ -781,8 +781,22 @@ def test_each_preset_and_default_is_written_once(fact):
 def test_generated_python_reads_presets_and_defaults_from_the_rendered_table(plan):
     hooks = HOOKS
     presets = importlib.import_module("planpkg.presets")
-    for name in ("LLAMA_PRESETS", "VIT_PRESETS", "MOE_PRESETS", "DEBUG_RUN", "PEAK_TFLOPS", "GPU_ARCHS", "LINK_GBPS", "HEADROOM",
-                 "DEFAULT_BACKEND", "LORA", "LLAMA3_ROPE_SCALING", "HOST_MEMORY", "EXPORT_FILE_GB"):  # fmt: skip
+    tables = (
+        "LLAMA_PRESETS",
+        "VIT_PRESETS",
+        "MOE_PRESETS",
+        "DEBUG_RUN",
+        "PEAK_TFLOPS",
+        "GPU_ARCHS",
+        "LINK_GBPS",
+        "HEADROOM",
+        "DEFAULT_BACKEND",
+        "LORA",
+        "LLAMA3_ROPE_SCALING",
+        "HOST_MEMORY",
+        "EXPORT_FILE_GB",
+    )
+    for name in tables:
         assert getattr(presets, name) == getattr(hooks, name), name
     for kind in presets.GPU_ARCHS:
         assert presets.DEFAULT_PRECISION[kind] == hook("presets", "default_precision", "cuda", kind)

@@ -179,7 +179,11 @@ REFUSED = {
         "sharding",
         "choose full or shard_grad_op: DDP is not combined with expert_parallel=8",
     ),
-    "lora_for_moe": ({"model_type": "qwen3_moe", "finetune": "lora"}, "finetune", "choose full: its experts are not nn.Linear layers"),
+    "lora_for_moe": (
+        {"model_type": "qwen3_moe", "finetune": "lora"},
+        "finetune",
+        "choose full: its experts are not nn.Linear layers",
+    ),
     "float8_for_moe": (
         {"model_type": "qwen3_moe", "float8": "rowwise"},
         "float8",
