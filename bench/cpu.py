@@ -3,6 +3,7 @@
     python bench/cpu.py --json bench/results/cpu.json   # about 15 minutes on 2 cores; prints a Markdown table
     python bench/cpu.py --quick                         # every row on the debug model, in about two minutes
     python bench/cpu.py --from-json bench/results/cpu.json   # the README's table, from the recorded figures
+    python bench/cpu.py --moe-only --json bench/results/cpu_moe.json   # the mixture-of-experts rows alone
 
 1. Step time: the generated trainer at world size 1 (torchrun, FSDP2 on one rank, gloo) over a
    plain single-process PyTorch loop (same model class, batch, AdamW and clipping).
@@ -20,6 +21,10 @@
    a CPU render, and the default render's smoke test, each in a fresh torch.compile cache (cold),
    in wall seconds and in the CPU seconds of every process they ran (less sensitive to other work
    on the machine). The step and checkpoint timings are each the fastest of two runs, taken in turn.
+7. A mixture of experts (an MoE render's debug model, 8 experts of which 2 a token) on 2 ranks: the
+   step time with its experts split between the ranks (expert parallelism 2, all-to-all) over every
+   rank holding all of them (1), and the bytes its all-to-alls send in a step, measured from their
+   split sizes (tests/moe_probe.py), over the plan's `expert_parallel_bytes`.
 
 The quick mode (tests/test_bench.py runs it) measures the same rows with the debug model, fewer
 steps, and one generated test in place of the fast tier and the smoke test: it checks the harness,
@@ -66,6 +71,8 @@ ROWS = [
     "generated fast tier (`pytest`), default render, cold",
     "generated smoke test (`pytest tests/test_smoke.py`), default render, cold",
     "generated fast tier (`pytest`), CPU render, cold",
+    "MoE debug model step time at world size 2: expert parallelism 2 / 1",
+    "MoE all-to-all bytes per step at expert parallelism 2: measured / planned",
 ]
 
 
@@ -253,6 +260,21 @@ def weights_memory(project: Path, tmp: Path, size: list[str], quick: bool) -> di
     return {op: max(json.loads((tmp / f"{op}_rank{r}.json").read_text()) for r in range(2)) for op, _ in jobs}
 
 
+def moe_probe(project: Path, run: Path, degree: int, steps: int) -> dict:
+    """tests/moe_probe.py on 2 ranks with `degree`: rank 0's report (step time, all-to-all bytes measured and
+    planned), each rank's micro-batch one of 4 sequences."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "moe_probe",
+           "--config", str(project / "configs" / "debug.toml"), "--device", "cpu", "--run_dir", str(run),
+           "--parallel.expert_parallel", str(degree), "--train.micro_batch_size", "4", "--parallel.compile", "False",
+           "--metrics.progress_bar", "False"]  # fmt: skip
+    run.mkdir(parents=True, exist_ok=True)
+    env = {**env_for(project), "MOE_PROBE_STEPS": str(steps)}
+    done = subprocess.run(cmd, cwd=project, env=env, capture_output=True, text=True)
+    if done.returncode:
+        sys.exit(f"moe_probe failed ({' '.join(cmd)}):\n{done.stderr[-4000:]}")
+    return json.loads((run / "moe_probe_rank0.json").read_text())
+
+
 def pytest_seconds(project: Path, selection: list[str]) -> tuple[float, float, float, str]:
     """Wall and CPU seconds of the generated tests `selection` in a fresh torch.compile cache, the machine's
     1-minute load average as they ended (other work slows them down), and pytest's summary."""
@@ -327,11 +349,40 @@ def measure(quick: bool) -> list[dict]:
         seconds_row(ROWS[8], fast, "under 2 minutes"),
         seconds_row(ROWS[9], smoke, "under a minute"),
         seconds_row(ROWS[10], fast_cpu, "under 2 minutes"),
+        *measure_moe(quick),
+    ]
+
+
+MOE_STEP_GOAL = "about 1 on CPU ranks (the saving is a GPU node's, where the experts' traffic dominates)"
+
+
+def measure_moe(quick: bool) -> list[dict]:
+    """The mixture-of-experts rows (7. above), in an MoE render of their own."""
+    steps, repeats = (3, 1) if quick else (20, 5)
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        moe = tmp / "moe"
+        render(moe, {"accelerator": "cpu", "model_type": "qwen3_moe", "package_name": "bench_pkg"})
+        ep1, ep2 = fastest(
+            repeats,
+            lambda i: moe_probe(moe, tmp / f"moe1-{i}", 1, steps)["step_s"],
+            lambda i: moe_probe(moe, tmp / f"moe2-{i}", 2, steps)["step_s"],
+        )
+        a2a = moe_probe(moe, tmp / "moe-bytes", 2, steps)
+    sent, planned = a2a["a2a_sent"], a2a["planned_a2a_sent"]
+    return [
+        ratio_row(ROWS[11], ep2, ep1, f"{ep2 * 1e3:.0f} ms / {ep1 * 1e3:.0f} ms", MOE_STEP_GOAL),
+        ratio_row(ROWS[12], sent, planned, f"{sent:,.0f} B / {planned:,.0f} B", "about 1 (routing in balance)"),
     ]
 
 
 def main() -> None:
-    run_cpu_bench("cpu", __doc__, "every row on the debug model, in about two minutes", measure)
+    # --moe-only: the mixture-of-experts rows alone (bench/results/cpu_moe.json), a run of a minute or two.
+    moe_only = "--moe-only" in sys.argv
+    if moe_only:
+        sys.argv.remove("--moe-only")
+    run_cpu_bench("cpu", __doc__, "every row on the debug model, in about two minutes",
+                  measure_moe if moe_only else measure)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
-"""GPU benchmark of a rendered project: the ~1B Llama preset on one CUDA GPU (NCCL, world size 1), then
-long sequences over every GPU of the machine, and the project's own tests/test_gpu.py, in one command
-that writes one JSON file.
+"""GPU benchmark of a rendered project: the ~1B Llama preset on one CUDA GPU (NCCL, world size 1), a
+mixture of experts with Qwen3-30B-A3B's blocks, long sequences over every GPU of the machine, then the
+project's own tests/test_gpu.py, in one command that writes one JSON file.
 
     python bench/gpu.py --json gpu.json       # meant to end within 10 minutes on one H100 or H200 (not yet run on one)
     python bench/gpu.py --dry-run             # the same code path on CPU: a tiny model, gloo, in a minute or two
@@ -10,10 +10,12 @@ It needs the template's test environment with a CUDA build of torch (`pip instal
 without the CPU wheel index). Each run is bf16 at the preset's sequence length and micro-batch,
 one micro-batch per step: eager with activation checkpointing none, selective and full, compiled
 (inductor) with none, and, where the GPU has float8 tensor cores (sm 8.9+), compiled float8
-tensorwise and rowwise. Then long sequences, 32,768, 65,536 and 131,072 tokens, one a step, eager
-with full recomputation, each split over every GPU of the machine by context parallelism (the
-degree is the number of GPUs, on as many ranks; on one GPU, none). Each row gives the median step
-time, tokens/s per GPU, MFU (against the GPU's dense bf16 peak), the peak of
+tensorwise and rowwise; then two of Qwen3-30B-A3B's blocks (128 experts of which 8 a token, grouped
+matmuls; the vocabulary and widths as published), compiled, selective recomputation, from an MoE render
+(its MFU counts the active parameters' FLOPs). Then long sequences, 32,768, 65,536 and 131,072 tokens,
+one a step, eager with full recomputation, each split over every GPU of the machine by context
+parallelism (the degree is the number of GPUs, on as many ranks; on one GPU, none). Each row gives the
+median step time, tokens/s per GPU, MFU (against the GPU's dense bf16 peak), the peak of
 torch.cuda.max_memory_allocated and that peak over the memory plan's estimate (the plan aims to be
 within 15%); float8 rows also give their tokens/s over the compiled bf16 row's. tests/test_gpu.py
 then compares the plan with the measured peak on a smaller model. Runs that would start after
@@ -22,15 +24,16 @@ its error (in the JSON file) while the others still run, so a session with a few
 time always gets its JSON file; the command exits 1 if a run failed.
 
 Without a CUDA GPU it says so in one line and exits 1. --dry-run runs every step on CPU ranks: the
-debug-sized model, gloo, the long sequences as 32, 64 and 128 tokens over 2 ranks, compiled rows
-through aot_eager (graph capture, no code generation), float8 rows through torch's reference float8
-matmul (no float8 kernels), and MFU against a stand-in peak of 1 TFLOP/s; tests/test_gpu.py skips
-itself there. Its figures mean nothing; tests/test_bench.py runs it to keep this file from rotting
-between GPU sessions.
+debug-sized models (the MoE row: the debug MoE), gloo, the long sequences as 32, 64 and 128 tokens
+over 2 ranks, compiled rows through aot_eager (graph capture, no code generation), float8 rows
+through torch's reference float8 matmul (no float8 kernels), and MFU against a stand-in peak of
+1 TFLOP/s; tests/test_gpu.py skips itself there. Its figures mean nothing; tests/test_bench.py runs
+it to keep this file from rotting between GPU sessions.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import re
@@ -46,6 +49,16 @@ from _common import arguments, gpu_machine, host_machine, machine_line, markdown
 
 ANSWERS = {"package_name": "bench_gpu", "model_size": "1b", "gpus_per_node": 1, "gpu_memory_gb": 80,
            "seq_len": 4096, "micro_batch_size": 2, "mixed_precision": "bf16", "sharding": "full"}  # fmt: skip
+MOE_ANSWERS = {"package_name": "bench_moe", "model_type": "qwen3_moe", "model_size": "moe-debug", "gpus_per_node": 1,
+               "gpu_memory_gb": 80, "mixed_precision": "bf16", "sharding": "full"}  # fmt: skip
+# Two of Qwen3-30B-A3B's 48 blocks, its vocabulary, at 4096 tokens: the experts' grouped matmuls at their real widths.
+MOE_SHAPE = ["--model.dim", "2048", "--model.n_layers", "2", "--model.n_heads", "32", "--model.n_kv_heads", "4",
+             "--model.head_dim", "128", "--model.moe_intermediate_size", "768", "--model.num_experts", "128",
+             "--model.num_experts_per_tok", "8", "--model.vocab_size", "151936", "--model.max_seq_len", "4096",
+             "--train.seq_len", "4096"]  # fmt: skip
+# --dry-run of the MoE row: the debug MoE (widths multiples of 8, as grouped matmuls need), short sequences.
+TINY_MOE = ["--train.seq_len", "16", "--device", "cpu", "--dist.backend", "gloo", "--parallel.compile_backend",
+            "aot_eager", "--metrics.peak_tflops", "1"]  # fmt: skip
 # --dry-run: every size a multiple of 16 (float8 matmuls need it), as tests/test_float8.py's tiny model.
 TINY = ["--model.dim", "32", "--model.n_layers", "2", "--model.n_heads", "2", "--model.n_kv_heads", "1",
         "--model.ffn_hidden_dim", "64", "--model.vocab_size", "256", "--model.max_seq_len", "16",
@@ -64,21 +77,25 @@ class Variant:
     float8: str = "none"
     seq_len: int = 0
     """A long sequence split over the machine's GPUs by context parallelism (0: the preset's, on one GPU)."""
+    moe: bool = False
+    """The mixture of experts (Qwen3-30B-A3B's blocks) of an MoE render, rather than the 1b preset."""
 
     @property
     def name(self) -> str:
         precision = f"float8 {self.float8}" if self.float8 != "none" else "bf16"
+        model = "MoE (2 Qwen3-30B-A3B blocks), " if self.moe else ""
         long = f", {self.seq_len:,} tokens over every GPU (context parallel)" if self.seq_len else ""
-        return f"{precision}, {'compiled' if self.compile else 'eager'}, AC {self.ac}{long}"
+        return f"{model}{precision}, {'compiled' if self.compile else 'eager'}, AC {self.ac}{long}"
 
 
 # In the order they run, most wanted first: --max-minutes cuts the last ones.
 BF16 = [Variant(False, "none"), Variant(True, "none")]
 FLOAT8 = [Variant(True, "none", "tensorwise"), Variant(True, "none", "rowwise")]
 MORE_AC = [Variant(False, "selective"), Variant(False, "full")]
+MOE = Variant(True, "selective", moe=True)
 CONTEXT_PARALLEL = [Variant(False, "full", seq_len=seq) for seq in LONG]
 TEST_GPU = "generated tests/test_gpu.py: plan vs torch.cuda.max_memory_allocated"
-RUNS = [*BF16, *FLOAT8, TEST_GPU, *CONTEXT_PARALLEL, *MORE_AC]
+RUNS = [*BF16, *FLOAT8, MOE, TEST_GPU, *CONTEXT_PARALLEL, *MORE_AC]
 ROWS = [run if run == TEST_GPU else run.name for run in RUNS]
 """Every row, in order (on a GPU without float8 tensor cores, less the float8 rows)."""
 
@@ -111,16 +128,22 @@ def long_sequence(variant: Variant, dry_run: bool) -> tuple[int, list[str]]:
 
 def run_variant(project: Path, run: Path, variant: Variant, steps: int, warmup: int, dry_run: bool) -> dict:
     """Train `steps` steps of one variant (on one rank, or a long sequence over every GPU); its figures, medians
-    over the steps after `warmup`."""
+    over the steps after `warmup`. The MoE variant runs in the MoE render beside `project` (moe/, package
+    bench_moe)."""
+    package, config_file, shape = "bench_gpu", project / "configs" / "1b.toml", TINY if dry_run else []
+    if variant.moe:
+        project = project.parent / "moe"
+        package, config_file = "bench_moe", project / "configs" / "debug.toml"
+        shape = TINY_MOE if dry_run else MOE_SHAPE
     overrides = ["--train.steps", str(steps), "--train.warmup_steps", str(warmup), "--train.global_batch_size",
-                 str(ANSWERS["micro_batch_size"]), "--checkpoint.interval", "100000", "--checkpoint.export", "none",
+                 str(ANSWERS["micro_batch_size"]), "--train.micro_batch_size", str(ANSWERS["micro_batch_size"]),
+                 "--checkpoint.interval", "100000", "--checkpoint.export", "none",
                  "--eval.interval", "0", "--metrics.progress_bar", "False", "--parallel.compile", str(variant.compile),
                  "--parallel.activation_checkpointing", variant.ac, "--parallel.float8", variant.float8]  # fmt: skip
     ranks, long = long_sequence(variant, dry_run)
-    config = ["--config", str(project / "configs" / "1b.toml"), "--run_dir", str(run), *overrides,
-              *(TINY if dry_run else []), *long]  # fmt: skip
+    config = ["--config", str(config_file), "--run_dir", str(run), *overrides, *shape, *long]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
-           "-m", "bench_gpu.train", *config]  # fmt: skip
+           "-m", f"{package}.train", *config]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(project / "src")}
     if dry_run:
         env["OMP_NUM_THREADS"] = "1"  # as torchrun sets for several ranks; on a GPU, rank 0's full init takes all
@@ -128,12 +151,13 @@ def run_variant(project: Path, run: Path, variant: Variant, steps: int, warmup: 
     if done.returncode:
         raise RunFailed(f"exit code {done.returncode}: {' '.join(cmd)}\n{done.stderr[-5000:]}")
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][warmup:]
-    from bench_gpu.config import load_config
-    from bench_gpu.plan import GIB, plan_for
-
-    cfg = load_config(config)
-    plan = plan_for(model=cfg.model, train=cfg.train, parallel=cfg.parallel, hardware=cfg.hardware,
-                    finetune=cfg.finetune)  # fmt: skip
+    records = [r for r in records if "loss" in r]  # not validation rows
+    config_module = importlib.import_module(f"{package}.config")
+    plan_module = importlib.import_module(f"{package}.plan")
+    cfg = config_module.load_config(config)
+    plan = plan_module.plan_for(model=cfg.model, train=cfg.train, parallel=cfg.parallel, hardware=cfg.hardware,
+                                finetune=cfg.finetune)  # fmt: skip
+    GIB = plan_module.GIB  # noqa: N806 - the plan's unit
     peak, planned = max(r["peak_mem_gib"] for r in records), plan.total / GIB
     return {
         **({"context_parallel": float(cfg.parallel.context_parallel)} if variant.seq_len else {}),
@@ -169,7 +193,8 @@ def measure(args, float8: bool) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         project = Path(tmp) / "gpu"
         render(project, ANSWERS)
-        sys.path.insert(0, str(project / "src"))
+        render(Path(tmp) / "moe", MOE_ANSWERS)
+        sys.path[:0] = [str(project / "src"), str(Path(tmp) / "moe" / "src")]
         for job, name in zip(RUNS, ROWS, strict=True):
             if job in FLOAT8 and not float8:
                 continue

@@ -118,6 +118,17 @@ MATRIX = {
     "lora_8b_one_gpu": {"finetune": "lora", "gpus_per_node": 1},
     # LoRA on CPU ranks at debug size: configs/debug-lora.toml fine-tunes the quick start's export.
     "cpu_debug_lora": {"accelerator": "cpu", "model_size": "debug", "finetune": "lora"},
+    # A mixture of experts (Qwen3-MoE): the debug MoE on CPU ranks, whose generated tests run here; Qwen3-30B-A3B
+    # on 8 x H100 (the planner splits its experts over the 8: expert parallelism) and Qwen3-235B-A22B on four
+    # Blackwell nodes (render checks only).
+    "cpu_moe": {"accelerator": "cpu", "model_type": "qwen3_moe"},
+    "moe_30b_h100": {"model_type": "qwen3_moe"},
+    "moe_235b_blackwell": {
+        "model_type": "qwen3_moe",
+        "model_size": "235b-a22b",
+        "gpu_arch": "blackwell",
+        "num_nodes": 4,
+    },
     # gloo on CUDA (slow but valid per the capability table).
     "cuda_gloo": {
         "gpu_arch": "ampere",
@@ -184,6 +195,11 @@ HOST_MEMORY = ["cpu_debug"]
 # golden losses, its checkpoint loaded on one rank and its export (two launches). The reshards, the eager
 # pair and the refused launch exercise what the built-in model's run above already does.
 TRANSFORMERS_TENSOR_PARALLEL = ["ada_offload"]
+# MOE: the mixture of experts' generated suite (tests/test_expert_parallel.py and test_moe_model.py, marker
+# moe: expert parallelism 2 and 2 x FSDP 2 against one rank, checkpoints across degrees, transformers' weights
+# in and out, the plan's MoE terms against what the ranks hold), with that render's fast tier (the smoke test
+# and the FSDP2 rules, on the debug MoE). About three minutes on two cores.
+MOE = ["cpu_moe"]
 # GENERATE: `python -m <pkg>.generate` from a checkpoint trained at world size 2 and from its export, and its
 # refusals (tests/test_generate.py's launches and subprocesses), which the FULL renders leave out. Every llama
 # and hf_causal_lm render has the file, whose fast tests (greedy tokens against transformers' generate, the

@@ -38,12 +38,13 @@ def misfit(a: dict) -> str:
                   a["mixed_precision"], a["activation_checkpointing"], a["sharding"], a["cpu_offload"],
                   a["gpus_per_node"], a["num_nodes"], a.get("gpu_memory_gb", 0), a.get("inter_node_link", "infiniband"),
                   a["accelerator"], zero, a.get("finetune", "full"), a.get("tensor_parallel", 1), 0, sp,
-                  a.get("context_parallel", 1))  # fmt: skip
+                  a.get("context_parallel", 1), a.get("expert_parallel", 1))  # fmt: skip
     host = hook("plan", "check_host", a["model_size"], a.get("seq_len", 0), a["micro_batch_size"],
                 a["mixed_precision"], a["activation_checkpointing"], a["sharding"], a["cpu_offload"],
                 a["gpus_per_node"], a["num_nodes"], a["host_memory_gb"], a["accelerator"], zero,
                 a.get("finetune", "full"), a.get("tensor_parallel", 1), a["checkpoint_format"],
-                a["checkpoint_export"] != "none", "", sp, a.get("context_parallel", 1))  # fmt: skip
+                a["checkpoint_export"] != "none", "", sp, a.get("context_parallel", 1),
+                a.get("expert_parallel", 1))  # fmt: skip
     return device + host
 
 

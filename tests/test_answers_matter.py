@@ -39,6 +39,16 @@ CHANGE = {
     "logging": ({}, "wandb"),
     "model_size": ({}, "3b"),
     "tensor_parallel": ({}, 2),
+    "expert_parallel": (
+        {
+            "model_type": "qwen3_moe",
+            "model_size": "30b-a3b",
+            "micro_batch_size": 1,
+            "activation_checkpointing": "full",
+            "expert_parallel": 8,
+        },
+        4,
+    ),
     "seq_len": ({}, 2048),
     "context_parallel": ({}, 2),
     "micro_batch_size": ({}, 1),

@@ -57,7 +57,19 @@ def test_links_are_well_formed(rendered, name):
         assert text.count("](") == len(re.findall(r"\]\([^)\s]+\)", text)), f"{doc}: a markdown link is broken"
 
 
-@pytest.mark.parametrize("name", ["default", "xpu", "vit_base", "volta_pcie_fp16"])
+def test_plan_explains_a_mixture_of_experts_and_its_degree(rendered):
+    # Qwen3-30B-A3B on 8 x H100: the active parameters, what expert parallelism 8 holds and sends, every degree's
+    # estimate; the debug MoE on CPU ranks says why it plans none; dense renders have no such section.
+    moe = sections((rendered["moe_30b_h100"] / "PLAN.md").read_text())["Mixture of experts"]
+    assert "**30.53B parameters, of which a token is multiplied by\n3.35B**" in moe
+    assert "| **8** | 1 | selective, full, no |" in moe and "The planner picks" in moe and "**8**." in moe
+    assert "dispatch buffers" in moe and "448.0 MiB per layer" in moe
+    cpu = sections((rendered["cpu_moe"] / "PLAN.md").read_text())["Mixture of experts"]
+    assert "CPU ranks gain nothing from it" in cpu
+    assert "Mixture of experts" not in sections((rendered["default"] / "PLAN.md").read_text())
+
+
+@pytest.mark.parametrize("name", ["default", "xpu", "vit_base", "volta_pcie_fp16", "cpu_moe"])
 def test_the_readme_layout_names_every_module(rendered, name):
     """The generated README's file table is the list of what exists: every module and package of src/<pkg>."""
     root = rendered[name]

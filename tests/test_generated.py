@@ -24,6 +24,7 @@ from answers import (
     HF_CONFIG,
     HOST_MEMORY,
     LORA,
+    MOE,
     PRETRAINED,
     SFT,
     SMOKE,
@@ -43,7 +44,7 @@ RUN_ON_CPU = {
 }
 # The full-tier selections that one render of the matrix runs on its own (answers.py says which).
 OWN = ["faults", "strategies", "tensor_parallel", "context_parallel", "float8", "sft", "lora", "pretrained", "compiled",
-       "host_memory", "generate", "hf_config"]  # fmt: skip
+       "host_memory", "generate", "hf_config", "moe"]  # fmt: skip
 
 
 def test_smoke_renders_cover_every_choice_that_runs_on_cpu(rendered):
@@ -209,6 +210,26 @@ SELECTIONS = {
         [
             "test_hf_config.py::test_a_bf16_config_json_trains_fp32_and_validates_to_transformers_loss",
             "test_hf_config.py::test_the_tensor_parallel_export_equals_the_fsdp_export",
+        ],
+    ),
+    # The fast tier of a render whose debug model is the mixture of experts, and its `moe` tier: expert
+    # parallelism against one rank, its checkpoints, transformers' weights and the plan's MoE terms.
+    "mixture_of_experts": (
+        "not full or moe",
+        MOE,
+        [
+            *SMOKE_TESTS,
+            "test_moe_model.py::test_logits_and_aux_loss_match_transformers",
+            "test_expert_parallel.py::test_the_all_to_all_dispatcher_computes_what_one_rank_does",
+            "test_expert_parallel.py::test_expert_parallel_runs_train_to_the_losses_of_one_rank",
+            "test_expert_parallel.py::test_a_checkpoint_saved_at_ep2_loads_bit_for_bit_at_any_degree",
+            "test_expert_parallel.py::test_resuming_at_ep2_is_exact_and_at_ep1_continues_the_run",
+            "test_expert_parallel.py::test_the_plan_counts_what_experts_hold_and_send",
+            "test_expert_parallel.py::test_init_from_transformers_files_computes_their_logits_at_every_position",
+            "test_expert_parallel.py::test_the_export_under_expert_parallelism_loads_back_in_transformers",
+            "test_expert_parallel.py::test_impossible_settings_are_refused_with_the_fix",
+            "test_expert_parallel.py::test_degrees_the_world_cannot_hold_are_refused_at_launch",
+            "test_expert_parallel.py::test_a_launch_beyond_the_world_is_refused_once_with_exit_code_2",
         ],
     ),
 }

@@ -313,6 +313,37 @@ def test_impossible_picks_on_cpu_ranks_and_for_an_image_model(session, tmp_path)
     assert (answers["model_size"], answers["launchers"]) == ("vit-debug", ["torchrun", "slurm"])
 
 
+def test_a_mixture_of_experts_on_a_gpu_node_plans_its_expert_parallelism(session, tmp_path):
+    """8 x H100 80 GiB, Qwen3-30B-A3B: LoRA, dense presets, degrees beyond the node, DDP and float8 are refused,
+    and the planner's degree (all 8 GPUs split the experts) is the default."""
+    s = session()
+    run_to(s, "customize", {})
+    s.confirm(True)
+    run_to(s, "model_type", {})
+    s.pick("Built-in mixture")
+    s.next_prompt()
+    assert pick_disabled(s, "lora") == "choose full: its experts are not nn.Linear layers"
+    s.accept()
+    s.next_prompt()
+    assert pick_disabled(s, "8b") == "a dense preset: for qwen3_moe choose moe-debug, 30b-a3b, 235b-a22b"
+    assert s.current.choices[s.current.pointer].label.startswith("30b-a3b")  # the default fits
+    s.accept()
+    s.next_prompt()
+    assert s.current.name == "expert_parallel"  # no tensor_parallel: its experts split by expert parallelism
+    assert s.type("3").endswith("answer 1, 2, 4 or 8 (divides gpus_per_node=8)")
+    assert s.type("8") == ""  # the planner's degree, the default
+    run_to(s, "sharding", {})
+    assert pick_disabled(s, "no_shard").endswith("DDP is not combined with expert_parallel=8")
+    s.accept()
+    run_to(s, "float8", {})
+    assert pick_disabled(s, "rowwise") == "choose none: its experts are not nn.Linear"
+    s.accept()
+    assert s.finish() == 0
+    answers = assert_valid_plan(tmp_path, tmp_path / "proj")
+    assert (answers["model_size"], answers["expert_parallel"], answers["sharding"]) == ("30b-a3b", 8, "full")
+    assert "expert_parallel = 8" in (tmp_path / "proj" / "configs" / "30b-a3b.toml").read_text()
+
+
 def test_no_pick_from_list_question_relies_on_a_question_level_validator():
     """Copier runs a question's `validator` on typed answers only; a select or yes/no question must
     refuse through its choices' validators, or a terminal user could pick what `-d` refuses."""
@@ -335,6 +366,8 @@ SCREENS = {
                         "seq_len": 200000, "context_parallel": 3, "micro_batch_size": 64},
     "long_context_8b": {"seq_len": 131072, "context_parallel": 2, "sharding": "no_shard"},
     "hf_lora_fp16": {"model_type": "hf_causal_lm", "finetune": "lora", "mixed_precision": "fp16", "tensor_parallel": 2},
+    "moe_on_turing": {"model_type": "qwen3_moe", "gpu_arch": "turing", "gpus_per_node": 2, "gpu_memory_gb": 16,
+                      "expert_parallel": 3, "compile": True, "finetune": "lora"},
 }  # fmt: skip
 
 

@@ -592,6 +592,134 @@ def test_host_memory_of_70b_on_one_24_gib_gpu_by_hand(plan):
     assert cpu.export == 2 * 2 * 5e9 / 2 + 2 * 4 * V * h and cpu.runtime == 2 * GIB
 
 
+MOE = JINJA.get_template("hooks/presets.jinja").module.MOE_PRESETS
+
+
+@pytest.fixture(scope="module")
+def moe(plan, tmp_path_factory):
+    """The plan package of a mixture-of-experts render, whose registry has the qwen3_moe model, and a function that
+    gives a MoE preset's shape as its module declares it."""
+    answers = {"accelerator": "cpu", "package_name": "moepkg", "model_type": "qwen3_moe"}
+    root = render(tmp_path_factory.mktemp("moe") / "p", answers)
+    sys.path.insert(0, str(root / "src"))
+    try:
+        package = importlib.import_module("moepkg.plan")
+        from moepkg.models import model_shape, model_spec
+
+        def config(preset: str):
+            fields = {k: v for k, v in MOE[preset].items() if k not in ("seq_len", "micro_batch_size")}
+            return model_spec("qwen3_moe").config(**fields, preset=preset)
+
+        yield package, config, lambda preset: model_shape(config(preset))
+    finally:
+        sys.path.remove(str(root / "src"))
+
+
+def test_qwen3_30b_a3b_on_8_gpus_by_hand(moe):
+    plan, _, shape_of = moe
+    s = shape_of("30b-a3b")
+    # 48 blocks: attention (q 32 x 128 = 4096 wide, 4 key/value heads of 128), two norms and two per-head norms,
+    # a router (2048 x 128) and 128 experts of 3 x 2048 x 768; embedding and head 151936 x 2048, final norm.
+    attention = 2 * 2048 * 4096 + 2 * 2048 * 512
+    expert = 3 * 2048 * 768
+    Pb = attention + 2048 * 128 + 128 * expert + 2 * 2048 + 2 * 128
+    P = 48 * Pb + 2 * 151936 * 2048 + 2048
+    assert (s.P, s.Pb, s.routed_params) == (P, Pb, 128 * expert) and P == 30_532_122_624  # "30.5B" as published
+    assert s.active == P - 48 * 120 * expert == 3_353_032_704  # "3.3B activated": 8 of 128 experts a token
+    # FLOPs per token (MFU) from the active parameters: 6 per multiplied weight (not the embedding), attention.
+    assert s.flops_per_token(4096) == 6 * (s.active - 151936 * 2048) + 12 * 48 * 4096 * 4096
+    kw = dict(seq_len=4096, micro_batch_size=1, precision="bf16", ac="selective", sharding="full", cpu_offload=False,
+              gpus_per_node=8, num_nodes=1)  # fmt: skip
+    one, eight = plan.memory_plan(s, **kw), plan.memory_plan(s, **kw, expert_parallel=8)
+    # Every rank holds 1/8 of the state either way (16 bytes a parameter); expert parallelism changes what a
+    # block gathers: its attention and router whole, 16 of its 128 experts.
+    assert one.params + one.grads + one.optim == eight.params + eight.grads + eight.optim == 16 * P / 8
+    assert one.gathered - eight.gathered == 2 * 2 * 128 * expert * 7 / 8  # two bf16 blocks in flight
+    assert eight.gathered == 2 * 2 * (Pb - 112 * expert) + 2 * (2 * 151936 * 2048 + 2048)
+    assert eight.gradbuf == (Pb - 112 * expert) * (2 + 4)
+    assert eight.dispatch == 2 * 4096 * 8 * 2048 * 2 and one.dispatch == 0  # 4096 tokens x 8 copies, sent, received
+    # The all-to-alls: each token's 8 copies of 2048 bf16 values to the other 7 ranks' experts and back, forward
+    # and backward, in 48 layers: 22.5 GB a step on NVLink; FSDP gathers and reduces the experts among 1 rank.
+    sent = plan.expert_parallel_bytes(s, "bf16", "selective", 8, 4096)
+    assert sent == 4 * 4096 * 8 * 2048 * 2 * 7 / 8 * 48
+    one_c, eight_c = (plan.communication_bytes(s, "full", "bf16", 8, 1, expert_parallel=e)["intra"] for e in (1, 8))
+    assert one_c == (2 * 2 * P + 4 * P) * 7 / 8 and eight_c == (8 * P - 8 * 48 * 128 * expert) * 7 / 8
+
+
+def moe_config(moe, preset, precision, gpus, nodes, memory, intra, inter, arch):
+    from moepkg.config import Config, HardwareConfig, ParallelConfig, TrainConfig
+
+    _, config, _ = moe
+    m = MOE[preset]
+    return Config(
+        model=config(preset),
+        train=TrainConfig(seq_len=m["seq_len"], micro_batch_size=m["micro_batch_size"],
+                          global_batch_size=m["micro_batch_size"] * gpus * nodes),
+        parallel=ParallelConfig(mixed_precision=precision),
+        hardware=HardwareConfig(accelerator="cuda", gpu_arch=arch, gpus_per_node=gpus, num_nodes=nodes,
+                                gpu_memory_gb=memory, intra_node_link=intra if gpus > 1 else "",
+                                inter_node_link=inter if nodes > 1 else ""),
+    )  # fmt: skip
+
+
+def test_question_time_and_run_time_agree_for_a_mixture_of_experts(moe):
+    plan, _, shape_of = moe
+    fields = ["params", "grads", "optim", "grads_live", "gathered", "gradbuf", "activations", "host", "dispatch",
+              "total"]  # fmt: skip
+    checked = 0
+    for preset, precision, ac, sharding, offload, (gpus, nodes), ep, accum in itertools.product(
+        MOE, ["bf16", "fp32"], ["none", "selective", "full"], ["full", "shard_grad_op", "hybrid"], [False, True],
+        [(2, 1), (8, 1), (8, 4)], [1, 2, 8], [1, 4],
+    ):  # fmt: skip
+        if ep > gpus:
+            continue
+        seq, mbs = MOE[preset]["seq_len"], MOE[preset]["micro_batch_size"]
+        q = json.loads(jinja("memory_plan", preset, seq, mbs, precision, ac, sharding, offload, gpus, nodes, accum,
+                             False, False, 0, "none", "full", 1, True, ep))  # fmt: skip
+        r = plan.memory_plan(shape_of(preset), seq_len=seq, micro_batch_size=mbs, precision=precision, ac=ac,
+                             sharding=sharding, cpu_offload=offload, gpus_per_node=gpus, num_nodes=nodes,
+                             grad_accum=accum, expert_parallel=ep)  # fmt: skip
+        for name in fields:
+            assert q[name] == pytest.approx(getattr(r, name), rel=1e-12), (preset, precision, ac, sharding, ep, name)
+        qc = json.loads(jinja("communication", preset, sharding, precision, gpus, nodes, False, "none", "full", 1, ep))
+        rc = plan.communication_bytes(shape_of(preset), sharding, precision, gpus, nodes, expert_parallel=ep)
+        assert qc == pytest.approx(rc, rel=1e-12), (preset, sharding, precision, gpus, nodes, ep)
+        qa = float(jinja("ep_communication", preset, precision, ac, ep, seq * mbs * accum))
+        assert qa == pytest.approx(plan.expert_parallel_bytes(shape_of(preset), precision, ac, ep, seq * mbs * accum))
+        checked += 1
+    assert checked > 1000, checked
+
+
+def test_question_time_and_run_time_expert_parallel_recommendations_agree(moe):
+    plan, _, _ = moe
+    picked = set()
+    grid = itertools.product(["30b-a3b", "235b-a22b"], [(2, 1), (8, 1), (8, 4)], [40, 80, 180], ["nvlink", "pcie"],
+                             ["infiniband", "ethernet"])  # fmt: skip
+    for preset, (gpus, nodes), memory, intra, inter in grid:
+        if nodes == 1 and inter == "ethernet":
+            continue
+        m, cfg = MOE[preset], moe_config(moe, preset, "bf16", gpus, nodes, memory, intra, inter, "hopper")
+        degrees = plan.expert_parallel_degrees(model=cfg.model, hardware=cfg.hardware)
+        assert jinja("ep_degrees", preset, gpus, "cuda") == ",".join(map(str, degrees))
+        args = dict(model=cfg.model, train=cfg.train, parallel=cfg.parallel, hardware=cfg.hardware,
+                    finetune=cfg.finetune, checkpoint=cfg.checkpoint)  # fmt: skip
+        for d in degrees:
+            qe = json.loads(jinja("ep_estimate", preset, m["seq_len"], m["micro_batch_size"], "bf16", gpus, nodes,
+                                  memory, intra, inter, "cuda", "hopper", d))  # fmt: skip
+            re_ = plan.estimate_expert_parallel(**args, degree=d, base_micro_batch=m["micro_batch_size"])
+            assert bool(qe) == (re_ is not None), (preset, gpus, nodes, memory, d)
+            if re_ is not None:
+                assert (qe["micro_batch_size"], qe["ac"], qe["sharding"], qe["offload"]) == (
+                    re_.micro_batch_size, re_.ac, re_.sharding, re_.cpu_offload)  # fmt: skip
+                assert qe["seconds_per_token"] == pytest.approx(re_.seconds_per_token, rel=1e-12)
+        q = int(jinja("recommend_ep", preset, m["seq_len"], m["micro_batch_size"], "bf16", gpus, nodes, memory,
+                      intra, inter, "cuda", "hopper"))  # fmt: skip
+        r = plan.recommend_expert_parallel(**args, base_micro_batch=m["micro_batch_size"])
+        assert q == r, (preset, gpus, nodes, memory, intra, inter)
+        picked.add(r)
+    assert {2, 8} <= picked, picked  # the estimates reach several degrees
+
+
 def ask(call: str, answers: dict, given: dict | None = None) -> str:
     """A validator or default of hooks/questions.jinja as copier renders it: `answers` so far in the context, and
     the answers `given` on the command line (as `-d` hands them over, strings) in `_copier_conf.data`."""
@@ -754,8 +882,22 @@ def test_each_preset_and_default_is_written_once(fact):
 def test_generated_python_reads_presets_and_defaults_from_the_rendered_table(plan):
     hooks = HOOKS
     presets = importlib.import_module("planpkg.presets")
-    for name in ("LLAMA_PRESETS", "VIT_PRESETS", "DEBUG_RUN", "PEAK_TFLOPS", "GPU_ARCHS", "LINK_GBPS", "HEADROOM",
-                 "DEFAULT_BACKEND", "LORA", "LLAMA3_ROPE_SCALING", "HOST_MEMORY", "EXPORT_FILE_GB"):  # fmt: skip
+    tables = (
+        "LLAMA_PRESETS",
+        "VIT_PRESETS",
+        "MOE_PRESETS",
+        "DEBUG_RUN",
+        "PEAK_TFLOPS",
+        "GPU_ARCHS",
+        "LINK_GBPS",
+        "HEADROOM",
+        "DEFAULT_BACKEND",
+        "LORA",
+        "LLAMA3_ROPE_SCALING",
+        "HOST_MEMORY",
+        "EXPORT_FILE_GB",
+    )
+    for name in tables:
         assert getattr(presets, name) == getattr(hooks, name), name
     for kind in presets.GPU_ARCHS:
         assert presets.DEFAULT_PRECISION[kind] == hook("presets", "default_precision", "cuda", kind)

@@ -194,6 +194,43 @@ REFUSED = {
         "checkpoint_export",
         "choose safetensors: transformers",
     ),
+    "moe_on_six_gpus": (
+        {"model_type": "qwen3_moe", "gpus_per_node": 6},
+        "model_type",
+        "choose llama: experts shard over 2^n GPUs, not 6",
+    ),
+    "moe_preset_for_llama": ({"model_size": "30b-a3b"}, "model_size", "an MoE preset: only for model_type qwen3_moe"),
+    "dense_preset_for_moe": (
+        {"model_type": "qwen3_moe", "model_size": "8b"},
+        "model_size",
+        "a dense preset: for qwen3_moe choose moe-debug, 30b-a3b, 235b-a22b",
+    ),
+    "expert_parallel_across_nodes": (
+        {"model_type": "qwen3_moe", "num_nodes": 2, "expert_parallel": 16},
+        "expert_parallel",
+        "answer 1, 2, 4 or 8 (divides gpus_per_node=8)",
+    ),
+    "expert_parallel_zero": ({"model_type": "qwen3_moe", "expert_parallel": 0}, "expert_parallel", "at least 1"),
+    "expert_parallel_with_ddp": (
+        {"model_type": "qwen3_moe", "expert_parallel": 8, "sharding": "no_shard"},
+        "sharding",
+        "choose full or shard_grad_op: DDP is not combined with expert_parallel=8",
+    ),
+    "lora_for_moe": (
+        {"model_type": "qwen3_moe", "finetune": "lora"},
+        "finetune",
+        "choose full: its experts are not nn.Linear layers",
+    ),
+    "float8_for_moe": (
+        {"model_type": "qwen3_moe", "float8": "rowwise"},
+        "float8",
+        "choose none: its experts are not nn.Linear",
+    ),
+    "compiled_moe_in_fp16": (
+        {"model_type": "qwen3_moe", "gpu_arch": "turing", "gpus_per_node": 2, "gpu_memory_gb": 16, "compile": True},
+        "compile",
+        "choose no: grouped matmuls compile in bf16 only, not fp16",
+    ),
     "no_nodes": ({"num_nodes": 0}, "num_nodes", "must be at least 1"),
     "checkpoint_interval_zero": ({"model_size": "1b", "checkpoint_interval": 0}, "checkpoint_interval", "at least 1"),
     "keep_no_checkpoint": ({"checkpoint_keep_last": 0}, "checkpoint_keep_last", "must be at least 1"),
@@ -283,6 +320,12 @@ HARDWARE = [
     {"num_nodes": 4, "inter_node_link": "ethernet", "gpu_memory_gb": 80, "model_type": "hf_causal_lm"},
     # Llama 3.1's whole context on 8 x 80 GiB: every sequence split over the node (context_parallel=8).
     {"gpu_memory_gb": 80, "model_type": "llama", "seq_len": 131072},
+    # A mixture of experts: Qwen3-30B-A3B on one node of 8 x 80 GiB (expert parallelism 8, the planner's pick), on
+    # two nodes, and on one 80 GiB GPU (the largest MoE preset that fits), and the debug MoE on CPU ranks.
+    {"gpu_memory_gb": 80, "model_type": "qwen3_moe"},
+    {"num_nodes": 2, "gpu_memory_gb": 80, "model_type": "qwen3_moe"},
+    {"gpus_per_node": 1, "gpu_memory_gb": 80, "model_type": "qwen3_moe"},
+    {"accelerator": "cpu", "gpus_per_node": 4, "model_type": "qwen3_moe"},
 ]
 
 
@@ -297,6 +340,8 @@ def test_the_planners_defaults_are_always_allowed_and_fit(tmp_path, hardware):
         expected = 4 if hardware["model_type"] == "llama" else 8
         assert answers["tensor_parallel"] == expected and answers["sharding"] != "no_shard", answers
     assert answers.get("context_parallel", 1) == (8 if hardware.get("seq_len") == 131072 else 1), answers
+    if hardware.get("model_type") == "qwen3_moe" and hardware.get("gpus_per_node", 8) == 8:
+        assert (answers["model_size"], answers["expert_parallel"]) == ("30b-a3b", 8), answers
 
 
 def suggestions(message: str) -> list[dict]:

@@ -81,5 +81,5 @@ def test_render_configs_parse_and_record_the_answers(rendered, name):
         assert cfg["parallel"].get("zero_optimizer") == answers.get("zero_optimizer")
         assert cfg["dist"]["backend"] == answers["backend"]
         assert cfg["hardware"]["gpus_per_node"] == answers["gpus_per_node"]
-    debug = answers["model_size"] in ("debug", "vit-debug")
+    debug = answers["model_size"] in ("debug", "vit-debug", "moe-debug")
     assert (root / "configs" / ("debug.toml" if debug else f"{answers['model_size']}.toml")).is_file()

@@ -91,8 +91,9 @@ class MetricsLogger:
         self.data_seconds += time.perf_counter() - started
         return result
 
-    def log(self, step: int, loss: float, grad_norm: float, lr: float) -> None:
-        """Record a step; call on every rank (only rank 0 writes)."""
+    def log(self, step: int, loss: float, grad_norm: float, lr: float, extra: dict[str, float] | None = None) -> None:
+        """Record a step; call on every rank (only rank 0 writes). `extra`: more figures of the step (a mixture
+        of experts' aux loss, expert imbalance and bias range: step.RouterBalance), logged under their names."""
         self.bar.update(step - self.bar.n)
         if not self.enabled:
             return
@@ -107,7 +108,7 @@ class MetricsLogger:
         record = {
             "step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr, "step_time_s": seconds,
             "data_wait_s": self.data_seconds / steps, "tokens_per_s_per_device": tokens_per_s_device, "mfu_pct": mfu,
-            "peak_mem_gib": peak_memory_gib(self.device),
+            "peak_mem_gib": peak_memory_gib(self.device), **(extra or {}),
         }  # fmt: skip
         self.data_seconds = 0.0
         self.file.write(json.dumps(record) + "\n")
@@ -115,10 +116,15 @@ class MetricsLogger:
         if self.sink:
             self.sink(step, {k: v for k, v in record.items() if k != "step" and v is not None})
         mfu_text = f"{mfu:.1f}%" if mfu is not None else "n/a"
+        experts = ""
+        if "moe/aux_loss" in record:  # a collapsing router shows here first: imbalance towards num_experts / top_k
+            experts = f"  aux {record['moe/aux_loss']:.4f}  experts max/mean {record['moe/imbalance_max']:.2f}"
+            if "moe/bias_min" in record:
+                experts += f"  bias [{record['moe/bias_min']:.3f}, {record['moe/bias_max']:.3f}]"
         logger.info(
-            "step %d  loss %.4f  grad_norm %.3f  lr %.2e  %.0f tok/s/dev  mfu %s  data %.0f%%  peak mem %.2f GiB",
+            "step %d  loss %.4f  grad_norm %.3f  lr %.2e  %.0f tok/s/dev  mfu %s  data %.0f%%  peak mem %.2f GiB%s",
             step, loss, grad_norm, lr, tokens_per_s_device, mfu_text, 100 * record["data_wait_s"] / seconds,
-            record["peak_mem_gib"],
+            record["peak_mem_gib"], experts,
         )  # fmt: skip
 
     def log_eval(self, step: int, result: EvalResult) -> None:

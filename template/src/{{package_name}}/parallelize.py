@@ -1,13 +1,14 @@
-"""Float8, tensor and context parallelism, activation checkpointing, compile and FSDP, applied to a model on
-the meta device.
+"""Float8, tensor, context and expert parallelism, activation checkpointing, compile and FSDP, applied to a
+model on the meta device.
 
 `parallelize` is the one place that applies them, in torchtitan's order: float8 layers, then split
 each layer over the tensor-parallel ranks, swap attention for its context-parallel form
-(context_parallel.py), checkpoint each block, compile each block, then shard each block and finally
-the root over the data-parallel (and context-parallel) ranks. Each step only works on what the one
-before it left (FSDP shards the DTensors that TP made; the checkpoint wrappers rename the modules TP
-and CP find by path; compile sees the wrappers), so the order is not a matter of taste. This is the
-only file that calls `parallelize_module` and `fully_shard`.
+(context_parallel.py) and split the experts over the expert-parallel ranks (expert_parallel.py),
+checkpoint each block, compile each block, then shard each block and finally the root over the
+data-parallel (and context-parallel) ranks. Each step only works on what the one before it left (FSDP
+shards the DTensors that TP and EP made; the checkpoint wrappers rename the modules TP and CP find by
+path; compile sees the wrappers), so the order is not a matter of taste. This is the only file that
+calls `parallelize_module` and `fully_shard`.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from .config import ParallelConfig, UsageError
 from .context_parallel import apply_cp
 from .distributed import data_parallel_mesh
+from .expert_parallel import FSDPMeshInfo, apply_ep, expert_fsdp_mesh, expert_placement
 from .models.spec import ContextParallelPlan, TensorParallelPlan
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -43,15 +45,16 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 def parallelize(
     model: nn.Module, *, parallel: ParallelConfig, mesh: DeviceMesh | None, tp_plan: TensorParallelPlan | None,
-    cp_plan: ContextParallelPlan | None = None, adapter_rank: int = 0,
+    cp_plan: ContextParallelPlan | None = None, adapter_rank: int = 0, expert_mesh: DeviceMesh | None = None,
 ) -> None:  # fmt: skip
-    """Make the model on the meta device what `parallel` asks for, in place: float8 -> TP -> CP -> AC -> compile
-    -> FSDP.
+    """Make the model on the meta device what `parallel` asks for, in place: float8 -> TP -> CP -> EP -> AC ->
+    compile -> FSDP.
 
     `mesh` is distributed.build_mesh's (None for DDP, which strategy.py wraps once the weights are in);
     `tp_plan` and `cp_plan` the model's tensor- and context-parallel plans, used when the mesh has a "tp"
     or a "cp" dimension; `adapter_rank` LoRA's rank (0: no adapters), which selective checkpointing
-    recomputes rather than keeps.
+    recomputes rather than keeps; `expert_mesh` distributed.expert_mesh's, whose "ep" ranks split the
+    experts (None: every rank holds every expert).
     """
     sharded = parallel.sharding != "no_shard"
     apply_float8(model.layers, parallel.float8, fsdp=sharded)
@@ -59,22 +62,28 @@ def parallelize(
         apply_tp(model, mesh["tp"], tp_plan)  # before the wrappers rename the blocks' modules
     if mesh is not None and "cp" in mesh.mesh_dim_names:
         apply_cp(model, mesh["cp"], cp_plan)  # likewise
+    if expert_mesh is not None:
+        apply_ep(model.layers, expert_mesh["ep"])
     apply_ac(model.layers, parallel.activation_checkpointing, adapter_rank=adapter_rank)
     if parallel.compile:
-        apply_compile(model.layers, parallel.compile_backend)
+        # The all-to-all's split sizes are data: an expert-parallel block compiles in pieces around it.
+        apply_compile(model.layers, parallel.compile_backend, fullgraph=expert_mesh is None)
     if sharded:
-        apply_fsdp(model, data_parallel_mesh(mesh, parallel.sharding == "hybrid"), parallel)
+        hybrid = parallel.sharding == "hybrid"
+        experts = expert_fsdp_mesh(expert_mesh, hybrid=hybrid) if expert_mesh is not None else None
+        apply_fsdp(model, data_parallel_mesh(mesh, hybrid), parallel, experts=experts)
 
 
 # Selective checkpointing keeps what is expensive to recompute (matmuls and attention) and
 # recomputes the cheap elementwise work around it (norms, activations, rotary embeddings). With
-# context parallelism it keeps the all-to-alls' outputs too: recomputing them would repeat the
-# communication in backward.
+# context and expert parallelism it keeps the all-to-alls' outputs too: recomputing them would repeat
+# the communication in backward.
 _SAVE_OPS = {
     torch.ops._c10d_functional.all_to_all_single.default,
     torch.ops.aten.mm.default,
     torch.ops.aten.addmm.default,
     torch.ops.aten.bmm.default,
+    torch.ops.aten._grouped_mm.default,  # a mixture of experts' expert matmuls
     torch.ops.aten._scaled_dot_product_flash_attention.default,
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
     torch.ops.aten._scaled_dot_product_cudnn_attention.default,
@@ -220,10 +229,10 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, plan: TensorParallelPlan) -> No
         )
 
 
-def apply_compile(layers: nn.ModuleList, backend: str) -> None:
+def apply_compile(layers: nn.ModuleList, backend: str, *, fullgraph: bool = True) -> None:
     """Compile each block in place; whole-model compile would break at every FSDP hook."""
     for block in layers:
-        block.compile(backend=backend, fullgraph=True)
+        block.compile(backend=backend, fullgraph=fullgraph)
 
 
 def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
@@ -249,8 +258,9 @@ def reshard_after_forward(cfg: ParallelConfig, shard_group_size: int) -> bool | 
     return cfg.sharding != "shard_grad_op"
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig) -> None:
-    """Shard each block, then the embeddings and output head, then the root."""
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig, *, experts: FSDPMeshInfo | None = None) -> None:
+    """Shard each block, then the embeddings and output head, then the root; `experts`: the ranks that shard
+    expert-parallel weights (expert_parallel.expert_fsdp_mesh), None without expert parallelism."""
     # pin_memory needs an accelerator; on a CPU-only build pinning raises during to_empty().
     offload = CPUOffloadPolicy(pin_memory=torch.accelerator.is_available()) if cfg.cpu_offload else OffloadPolicy()
     shard = functools.partial(
@@ -258,7 +268,7 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig) -> None:
     )
     reshard = reshard_after_forward(cfg, mesh.size(-1))
     for block in model.layers:
-        shard(block, reshard_after_forward=reshard)
+        shard(block, reshard_after_forward=reshard, shard_placement_fn=shard_placement(block, experts))
     if cfg.prefetch_blocks:
         apply_prefetch(list(model.layers), cfg.prefetch_blocks)
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
@@ -274,6 +284,22 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig) -> None:
             # trigger an immediate re-gather.
             shard(head, reshard_after_forward=False)
     shard(model)
+
+
+def shard_placement(block: nn.Module, experts: FSDPMeshInfo | None = None) -> Callable | None:
+    """FSDP's dimension for each parameter of `block`: 0 (None), unless its module names another in
+    `fsdp_shard_dim`. A mixture of experts' stacked expert weights (models/qwen3_moe/moe.py) shard along
+    their hidden dimension: the state-dict adapter splits them per expert along the first, and DTensor
+    refuses that split along a sharded dimension, while along another each expert is a view of every
+    rank's shard, which DCP reads and writes in place. Under expert parallelism (`experts`: the ranks
+    that share an expert) those weights shard over those ranks, the others over the whole mesh."""
+    dims = {id(p): Shard(m.fsdp_shard_dim) for m in block.modules() if hasattr(m, "fsdp_shard_dim")
+            for p in m.parameters(recurse=False)}  # fmt: skip
+    if not dims:
+        return None
+    if experts is not None:
+        return lambda p: expert_placement(p, dims.get(id(p), Shard(0)), experts)
+    return lambda p: dims.get(id(p))
 
 
 def apply_prefetch(blocks: list[FSDPModule], n: int) -> None:

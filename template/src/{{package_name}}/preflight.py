@@ -28,6 +28,7 @@ from .distributed import (
     resolve_device,
 )
 from .evaluate import check_eval_only
+from .expert_parallel import check_expert_parallel
 from .models import model_spec
 from .parallelize import check_float8
 from .plan import check_plan
@@ -41,6 +42,11 @@ def check(cfg: Config, rdzv: Rendezvous) -> None:
     p, run_dir = cfg.parallel, Path(cfg.run_dir)
     check_tensor_parallel(p.tensor_parallel, rdzv.world_size, rdzv.local_world_size)
     check_context_parallel(p.context_parallel, p.tensor_parallel, rdzv.world_size, rdzv.local_world_size)
+    if p.sharding != "no_shard":  # the ranks that shard a weight: the data-parallel ones, or hybrid's shard group
+        tp = p.tensor_parallel
+        shards = p.hsdp_shard_size or rdzv.local_world_size // tp if p.sharding == "hybrid" else rdzv.world_size // tp
+        check_expert_parallel(degree=p.expert_parallel, shape=model_spec(cfg.model.name).shape(cfg.model),
+                              world_size=rdzv.world_size, shard_size=shards)  # fmt: skip
     check_plan(
         model=cfg.model, train=cfg.train, parallel=p, hardware=cfg.hardware, finetune=cfg.finetune,
         checkpoint=cfg.checkpoint, world_size=rdzv.world_size, device=device, local_world_size=rdzv.local_world_size,

@@ -24,7 +24,15 @@ from torch import nn
 from .checkpoint import CheckpointManager, FaultHook
 from .config import Config, DistConfig, FinetuneConfig, ParallelConfig, TrainConfig
 from .data import HeldOut, Loader, build_held_out, build_loader
-from .distributed import DistEnv, build_mesh, init_process_group, rendezvous_from_env, resolve_backend, resolve_device
+from .distributed import (
+    DistEnv,
+    build_mesh,
+    expert_mesh,
+    init_process_group,
+    rendezvous_from_env,
+    resolve_backend,
+    resolve_device,
+)
 from .evaluate import checkpoint_to_evaluate
 from .metrics import init_logging
 from .models import ModelConfig, ModelSpec, model_spec
@@ -103,7 +111,7 @@ def build_run(cfg: Config, *, env: DistEnv | None = None, faults: FaultHook | No
     loader, held_out = build_loader(**data, **ranks), build_held_out(**data, **ranks)
     step_context = build_step_context(
         parallel=cfg.parallel, train=cfg.train, data_source=cfg.data.source, strategy=strategy, device=env.device,
-        cp_rank=env.cp_rank,
+        cp_rank=env.cp_rank, model=strategy.unwrap(model),
     )  # fmt: skip
     state = TrainState(model, optimizer, scheduler, loader, env.rank, strategy)
     return Run(cfg, env, strategy, spec, model, optimizer, scheduler, loader, held_out, checkpoints, state,
@@ -122,9 +130,10 @@ def init_distributed(*, device: str, dist: DistConfig, parallel: ParallelConfig,
     tp, cp = parallel.tensor_parallel, parallel.context_parallel
     shard_size = parallel.hsdp_shard_size or rdzv.local_world_size // (tp * cp)
     mesh = build_mesh(parallel.sharding, on.type, rdzv.world_size, shard_size, tp, cp)
+    experts = expert_mesh(mesh, parallel.expert_parallel)
     torch.manual_seed(seed)
-    logger.info("world size %d on %s, backend %s, mesh %s", rdzv.world_size, on, backend, mesh)
-    return DistEnv(rdzv.rank, rdzv.world_size, rdzv.local_world_size, on, backend, mesh, tp, cp)
+    logger.info("world size %d on %s, backend %s, mesh %s", rdzv.world_size, on, backend, experts or mesh)
+    return DistEnv(rdzv.rank, rdzv.world_size, rdzv.local_world_size, on, backend, mesh, tp, cp, experts)
 
 
 def build_model_meta(
@@ -137,7 +146,7 @@ def build_model_meta(
         module = spec.build(model)
     apply_lora(module, finetune=finetune, layout=spec.lora, frozen_dtype=DTYPES[parallel.mixed_precision])
     parallelize(module, parallel=parallel, mesh=env.mesh, tp_plan=spec.tensor_parallel_plan(model),
-                cp_plan=spec.cp_plan, adapter_rank=lora_rank(finetune))  # fmt: skip
+                cp_plan=spec.cp_plan, adapter_rank=lora_rank(finetune), expert_mesh=env.expert_mesh)  # fmt: skip
     # Allocates only this rank's shards (on the host with CPU offload); the contents are garbage.
     module.to_empty(device=env.device)
     module.tie_weights()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -40,6 +40,8 @@ class StepContext:
     """Some targets are IGNORE_INDEX (data.source = "sft"): average over the step's scored targets instead."""
     sequence_split: SequenceSplit | None = None
     """Context parallelism: this rank's chunks of every sequence (context_parallel.py); None: whole sequences."""
+    experts: RouterBalance | None = None
+    """A mixture of experts: its router's aux loss joins the loss, and its balance is kept and reported."""
 
 
 @dataclass
@@ -50,14 +52,51 @@ class StepResult:
     """Global gradient norm before clipping."""
     lr: float
     """Learning rate the step used."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """More to log: a mixture of experts' aux loss and balance (RouterBalance.after_step)."""
+
+
+@dataclass
+class RouterBalance:
+    """A mixture of experts' router, from the trainer's side (the model's aux_loss, take_expert_load,
+    balance_metrics and apply_balance: models/qwen3_moe/model.py).
+
+    Each micro-batch's loss adds the model's aux loss (router_aux_loss_coef x its load-balancing loss),
+    scaled as the cross-entropy is. After the step, the tokens each expert received on every data-parallel
+    rank and the aux loss are summed in one all-reduce; every rank moves its routing biases alike from
+    that sum (bias balancing), and the step reports the imbalance (max / mean tokens per expert), the
+    mean aux loss and the bias range. Validation passes count nothing: the model counts in train mode only.
+    """
+
+    model: nn.Module
+    """The model itself (not the DDP wrapper), which has aux_loss and the rest."""
+    group: dist.ProcessGroup | None
+    """The ranks that split the batch (strategy.dp_group; None: all)."""
+
+    def aux_loss(self) -> torch.Tensor:
+        return self.model.aux_loss()
+
+    def after_step(self, aux_sum: torch.Tensor, micro_batches: int) -> dict[str, float]:
+        load = self.model.take_expert_load()
+        if load is None:  # no sparse layer ran
+            return {}
+        both = torch.cat([load.flatten(), (aux_sum / micro_batches).float().view(1)])
+        if dist.is_initialized():
+            dist.all_reduce(both, group=self.group)
+        ranks = dist.get_world_size(self.group) if dist.is_initialized() else 1
+        load = both[:-1].view_as(load)
+        self.model.apply_balance(load)
+        return {"moe/aux_loss": both[-1].item() / ranks, **self.model.balance_metrics(load)}
 
 
 def build_step_context(
     *, parallel: ParallelConfig, train: TrainConfig, data_source: str, strategy: Strategy, device: torch.device,
-    cp_rank: int = 0,
+    cp_rank: int = 0, model: nn.Module | None = None,
 ) -> StepContext:  # fmt: skip
-    """The step's settings; `cp_rank` is this rank's place in its context-parallel group."""
+    """The step's settings; `cp_rank` is this rank's place in its context-parallel group, `model` the model
+    itself (strategy.unwrap), whose aux_loss makes it a mixture of experts."""
     degree = parallel.context_parallel
+    experts = RouterBalance(model, strategy.dp_group) if hasattr(model, "aux_loss") else None
     return StepContext(
         strategy=strategy,
         sync_every_microbatch=parallel.grad_sync_every_microbatch,
@@ -66,6 +105,7 @@ def build_step_context(
         device=device,
         scored_targets_only=data_source == "sft",
         sequence_split=SequenceSplit(cp_rank, degree) if degree > 1 else None,
+        experts=experts,
     )
 
 
@@ -107,7 +147,7 @@ def train_step(model: nn.Module, optimizer, scheduler, micro_batches: list[Batch
         split = [ctx.sequence_split(inputs, targets) for inputs, targets in micro_batches]
         micro_batches, positions = [(inputs, targets) for inputs, targets, _ in split], [p for *_, p in split]
     loss_of = scaled_loss(micro_batches, ctx)
-    loss_sum = torch.zeros((), device=ctx.device)
+    loss_sum, aux_sum = torch.zeros((), device=ctx.device), torch.zeros((), device=ctx.device)
     for i, (inputs, targets) in enumerate(micro_batches):
         sync = i == len(micro_batches) - 1 or ctx.sync_every_microbatch
         with ctx.strategy.gradient_sync(model, sync), ctx.strategy.autocast():
@@ -115,7 +155,12 @@ def train_step(model: nn.Module, optimizer, scheduler, micro_batches: list[Batch
             logits = model(inputs) if positions[i] is None else model(inputs, positions=positions[i])
             # The micro-batch losses sum to this rank's share of the global-batch mean (scaled_loss).
             loss = loss_of(logits.flatten(0, -2).float(), targets.flatten())
-            (ctx.scaler.scale(loss) if ctx.scaler else loss).backward()
+            objective = loss
+            if ctx.experts is not None:  # the router's aux loss, averaged over the micro-batches likewise
+                aux = ctx.experts.aux_loss()
+                objective = loss + aux / len(micro_batches)
+                aux_sum += aux.detach()
+            (ctx.scaler.scale(objective) if ctx.scaler else objective).backward()
         loss_sum += loss.detach()
     if ctx.scaler:
         ctx.scaler.unscale_(optimizer)
@@ -133,7 +178,8 @@ def train_step(model: nn.Module, optimizer, scheduler, micro_batches: list[Batch
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     scheduler.step()
-    return StepResult(loss_sum, grad_norm, lr)
+    metrics = ctx.experts.after_step(aux_sum, len(micro_batches)) if ctx.experts is not None else {}
+    return StepResult(loss_sum, grad_norm, lr, metrics)
 
 
 def clip_gradients(model: nn.Module, max_norm: float) -> float:
@@ -142,6 +188,21 @@ def clip_gradients(model: nn.Module, max_norm: float) -> float:
     With sharded parameters the norm is a DTensor, summed over the mesh dimensions that split the
     gradients in one all-reduce (with tensor parallelism, over the "dp_shard_tp" group that
     distributed.build_mesh flattens for it); full_tensor() then makes .item() the global value.
+    Expert parallelism puts the experts' gradients on a mesh of their own (expert_parallel.py), which
+    one norm cannot mix with the others: each mesh's norm is then taken whole, and they are combined.
     """
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)
-    return (norm.full_tensor() if isinstance(norm, DTensor) else norm).item()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    meshes = {g.device_mesh for g in grads if isinstance(g, DTensor)}
+    if len(meshes) <= 1:
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)
+        return (norm.full_tensor() if isinstance(norm, DTensor) else norm).item()
+    # In the same order on every rank (a set's is not): each norm below is a collective.
+    ordered = sorted(meshes, key=lambda mesh: mesh.mesh_dim_names)
+    by_mesh = [[g for g in grads if g.device_mesh == mesh] for mesh in ordered]
+    norms = [torch.nn.utils.get_total_norm(group, foreach=True).full_tensor() for group in by_mesh]
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    # clip_grad_norm_'s rule (and its fp32 arithmetic), applied to each mesh's gradients.
+    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0).item()
+    for grad in grads:
+        grad.mul_(coefficient)
+    return total.item()

@@ -40,6 +40,7 @@ from torch.distributed.tensor import DTensor
 
 from .checkpoint import checkpoint_to_resume
 from .config import JOB_WIDE, CheckpointConfig, FinetuneConfig, UsageError
+from .expert_parallel import split_experts
 from .models import ModelConfig, ModelSpec, model_spec
 from .models.lora import ADAPTERS, LoraSettings, apply_lora, initial_adapters, merge_adapters, peft_adapter
 from .models.spec import StateDict
@@ -79,10 +80,18 @@ class Layout(NamedTuple):
     """Parameter names that alias an earlier one (shared_keys)."""
     names: dict[str, list[int]]
     """Every tensor name the files hold -> its shape."""
+    local_experts: Callable[[StateDict, int], StateDict] | None = None
+    """to_files of this rank's experts under expert parallelism (HFLayout.to_hf_local_experts; None: no adapter
+    to split them, the files hold the weights as they are)."""
 
     def stored(self, state: StateDict) -> StateDict:
         """`state` (this repo's names) as the files hold it."""
-        return self.to_files({k: state[k] for k in self.ours})
+        whole, experts = self.split(state)
+        return self.to_files(whole) | experts
+
+    def split(self, state: StateDict) -> tuple[StateDict, StateDict]:
+        """The stored weights for to_files, and this rank's experts as the files hold them (expert_parallel.py)."""
+        return split_experts({k: state[k] for k in self.ours}, self.local_experts)
 
 
 def file_layout(spec: ModelSpec, cfg: ModelConfig, fmt: str, model: torch.nn.Module | None = None) -> Layout:
@@ -99,7 +108,9 @@ def file_layout(spec: ModelSpec, cfg: ModelConfig, fmt: str, model: torch.nn.Mod
     state = {k: v for k, v in model.state_dict().items() if k not in aliases}
     # On the meta device: the names and shapes the adapter makes, with nothing allocated.
     names = {k: list(v.shape) for k, v in to_files(state).items()}
-    return Layout(to_files, from_files, tuple(state), aliases, names)
+    local = spec.hf.to_hf_local_experts if fmt == "hf" else None
+    experts = local and (lambda state, first: local(state, cfg, first))
+    return Layout(to_files, from_files, tuple(state), aliases, names, experts)
 
 
 def _adapt(adapter: Callable[[StateDict, ModelConfig], StateDict], cfg: ModelConfig, state: StateDict) -> StateDict:
@@ -161,6 +172,12 @@ def match_config(spec: ModelSpec, cfg: ModelConfig, directory: Path) -> None:
     theirs = hf.read_config(directory) if hf else None
     if theirs is None:
         return
+    if unmatched := [error.partition(" ")[0] for error in hf.errors(cfg)]:  # options transformers' class lacks
+        raise ValueError(
+            f"it holds a transformers model (config.json) that has no counterpart for {', '.join(unmatched)}, nor "
+            "weights for them: set those to what transformers computes, or start from weights this repo exported "
+            "as safetensors"
+        )
     math = hf.math(cfg)
     if math is None:
         logger.warning("checkpoint.init_from=%s: model.name=%s declares no config.json fields (HFLayout.config_math), "
@@ -198,12 +215,14 @@ def load_pretrained(model: torch.nn.Module, *, init_from: str, model_cfg: ModelC
     """Read checkpoint.init_from into the (sharded) model: every rank reads only the slices it holds."""
     directory = weights_dir(Path(init_from))
     layout = match_layout(spec, model_cfg, directory)
-    stored = layout.stored(plain_tensors(get_model_state_dict(model)))
-    dcp.load(stored, storage_reader=HuggingFaceStorageReader(str(directory)))
+    whole, experts = layout.split(plain_tensors(get_model_state_dict(model)))
+    whole = layout.to_files(whole)
+    dcp.load(whole | experts, storage_reader=HuggingFaceStorageReader(str(directory)))
     # DCP filled the files' tensors: views of the shards (renamed or transposed) in place, or new ones
-    # (fused). Setting the model from them, mapped back, covers both, and re-ties what it left out (tied heads).
-    set_model_state_dict(model, layout.from_files(stored), options=StateDictOptions(strict=False))
-    logger.info("loaded %s weights from %s", len(stored), directory)
+    # (fused). Setting the model from them, mapped back, covers both, and re-ties what it left out (tied heads);
+    # this rank's experts under expert parallelism were views, filled in place.
+    set_model_state_dict(model, layout.from_files(whole), options=StateDictOptions(strict=False))
+    logger.info("loaded %s weights from %s", len(layout.names), directory)
 
 
 def apply_initial_weights(
@@ -257,9 +276,12 @@ def export_weights(
     if is_main and out.exists():
         shutil.rmtree(out)  # a previous export of this run dir (an extended run): replaced whole
     dist.barrier()
+    # Under expert parallelism a rank holds some experts' tensors: every rank numbers the files by the whole model.
+    dtype = next(iter(stored.values())).dtype
+    whole = {k: torch.empty(shape, dtype=dtype, device="meta") for k, shape in layout.names.items()}
     writer = HuggingFaceStorageWriter(
         str(out),
-        fqn_to_index_mapping=file_index(stored, checkpoint.export_file_gb * 1e9),
+        fqn_to_index_mapping=file_index(whole if layout.local_experts else stored, checkpoint.export_file_gb * 1e9),
         save_distributed=True,
         enable_consolidation=True,
     )

@@ -114,6 +114,8 @@ class ParallelConfig:
     """Ranks of one node that split every layer (tensor + sequence parallelism); FSDP shards across the groups."""
     context_parallel: int = 1
     """Ranks of one node that split every sequence (Ulysses attention over them); FSDP shards over them too."""
+    expert_parallel: int = 1
+    """Ranks that split a mixture of experts' experts (tokens reach them by all-to-all); FSDP shards each further."""
 
     def errors(self) -> list[str]:
         sharded = self.sharding != "no_shard"
@@ -155,6 +157,25 @@ class ParallelConfig:
                 f"parallel.context_parallel={self.context_parallel} needs FSDP, which shards the parameters over the "
                 "context-parallel ranks too: sharding=no_shard (DDP) is not combined with it; choose sharding=full, "
                 "shard_grad_op or hybrid",
+            ),
+            (
+                self.expert_parallel >= 1,
+                f"parallel.expert_parallel={self.expert_parallel} must be at least 1 (1: each rank holds every expert)",
+            ),
+            (
+                self.expert_parallel <= 1 or sharded,
+                f"parallel.expert_parallel={self.expert_parallel} needs FSDP to shard each expert over the other "
+                "ranks: sharding=no_shard (DDP) is not combined with it; choose sharding=full, shard_grad_op or hybrid",
+            ),
+            (
+                self.expert_parallel <= 1 or self.tensor_parallel <= 1,
+                f"parallel.expert_parallel={self.expert_parallel} with parallel.tensor_parallel="
+                f"{self.tensor_parallel}: no model here has both a tensor-parallel plan and experts; set one to 1",
+            ),
+            (
+                self.expert_parallel <= 1 or not self.reshard_size,
+                f"parallel.reshard_size={self.reshard_size} with parallel.expert_parallel={self.expert_parallel}: "
+                "experts are sharded over a smaller group than the other weights; set parallel.reshard_size=0",
             ),
         )
 

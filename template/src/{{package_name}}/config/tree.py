@@ -54,8 +54,9 @@ class Config:
         return self
 
     def cross_errors(self) -> list[str]:
-        """What two sub-configs cannot be together: the model with its data, LoRA, tensor and context parallelism
-        (each asks the model's spec), uneven inputs with the sharding, validation with the data."""
+        """What two sub-configs cannot be together: the model with its data, LoRA, tensor, context and expert
+        parallelism and the other parallel settings, and Hugging Face export (each asks the model or its spec),
+        uneven inputs with the sharding, validation with the data."""
         m, d, p = self.model, self.data, self.parallel
         try:
             spec = model_spec(m.name)
@@ -67,9 +68,13 @@ class Config:
             errors.append(f"data.source={d.source} does not feed model.name={m.name}, which takes {spec.inputs}")
         if not m.errors(self.train.seq_len):  # the shape of a model that cannot be built means nothing
             errors += lora_errors(finetune=self.finetune, shape=spec.shape(m), layout=spec.lora, model_name=m.name,
-                                  float8=p.float8, tensor_parallel=p.tensor_parallel)  # fmt: skip
+                                  float8=p.float8, tensor_parallel=p.tensor_parallel,
+                                  refusal=spec.lora_refusal)  # fmt: skip
             errors += self.tensor_parallel_errors(spec)
             errors += self.context_parallel_errors(spec)
+            errors += m.parallel_errors(p)
+            if self.checkpoint.export == "hf" and spec.hf is not None:
+                errors += spec.hf.errors(m)
         errors += failed(
             (
                 d.uneven_inputs != "join" or p.sharding == "no_shard",

@@ -121,12 +121,17 @@ def lora_errors(
     model_name: str,
     float8: str,
     tensor_parallel: int,
+    refusal: str = "",
 ) -> list[str]:
-    """What stops finetune.method=lora with this model (its `shape` and `layout`) and these settings;
-    empty for finetune.method=full. The config's validation reports them with the rest of the config's."""
+    """What stops finetune.method=lora with this model (its `shape` and `layout`; `refusal`: why it has no layout)
+    and these settings; empty for finetune.method=full. The config's validation reports them with the rest."""
     f = finetune
     if f.method != "lora":
         return []
+    if layout is None and refusal:
+        return [
+            f"finetune.method=lora: model.name={model_name} has no LoRA layout: {refusal}; use finetune.method=full"
+        ]
     if layout is None:
         return [
             f"finetune.method=lora: model.name={model_name} declares no LoRA layout (ModelSpec.lora in "

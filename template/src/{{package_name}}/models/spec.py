@@ -43,6 +43,16 @@ class ModelConfig:
         """Every reason this model cannot be built, or trained on `seq_len` tokens per sample (empty when it can)."""
         return []
 
+    def parallel_errors(self, parallel) -> list[str]:
+        """Every setting of `parallel` (the `[parallel]` section, config.ParallelConfig, read by attribute: models/
+        never imports config/) this model cannot be trained with, naming why. A model without experts has
+        nothing for expert parallelism to split."""
+        degree = getattr(parallel, "expert_parallel", 1)
+        if degree > 1:
+            return [f"parallel.expert_parallel={degree}: model.name={self.name} has no experts to split among ranks; "
+                    "set parallel.expert_parallel=1"]  # fmt: skip
+        return []
+
 
 C = TypeVar("C", bound=ModelConfig)
 
@@ -94,6 +104,26 @@ class ModelShape:
     kv_heads: int = 0
     """Key/value heads of attention (0: none declared); context parallelism repeats them where its degree does not
     divide them."""
+    experts: int = 0
+    """Routed experts per sparse layer of a mixture of experts (0: a dense model); expert parallelism splits them."""
+    expert_params: int = 0
+    """Parameters of one routed expert in one layer: what expert parallelism places, expert by expert."""
+    top_k: int = 0
+    """Experts each token is routed to (0: a dense model)."""
+    sparse_layers: int = 0
+    """Blocks that are mixtures of experts."""
+    active: int = 0
+    """Parameters one token is multiplied by where fewer than P (a mixture of experts); 0: every one of P."""
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token is multiplied by: the compute of a step counts these (6 FLOPs each a token)."""
+        return self.active or self.P
+
+    @property
+    def routed_params(self) -> int:
+        """Routed experts' parameters in one sparse block: the part of Pb that expert parallelism splits."""
+        return self.experts * self.expert_params
 
     def activation_bytes(
         self, p: int, ac: str, *, lora_rank: int = 0, lora_targets: str = "all", tensor_parallel: int = 1,
@@ -197,6 +227,12 @@ class HFLayout(Generic[C]):
     of the model's config that gives them (None: checkpoint.init_from checks names and shapes only, and says so)."""
     read_config: Callable[[Path], dict | None] = read_config_json
     """A weights directory's config.json, complete (None if it has none), for the comparison."""
+    errors: Callable[[C], list[str]] = lambda cfg: []
+    """What keeps transformers' class from computing the model a config describes (export=hf is refused at launch)."""
+    to_hf_local_experts: Callable[[StateDict, C, int], StateDict] | None = None
+    """`to_hf` under expert parallelism, where each stacked expert weight holds this rank's experts only, the
+    first of them expert `first` (the third argument; weights.py passes each as a DTensor over the ranks that
+    share those experts, so a slice per expert is a view of this rank's shard); None: no stacked experts."""
 
     def math(self, cfg: C) -> ConfigMath | None:
         """The config.json math of the model `cfg` describes (None: it declares none)."""
@@ -344,6 +380,8 @@ class ModelSpec(Generic[C]):
     saying `cp_refusal`)."""
     cp_refusal: str = "its module declares no context-parallel plan (SPEC.cp_plan, models/spec.py)"
     """Why the model has no context-parallel plan, for the refusal."""
+    lora_refusal: str = ""
+    """Why the model has no LoRA layout (SPEC.lora None), for the refusal."""
     kv_cache: Callable[[nn.Module], object] | None = None
     """A new, empty key/value cache for the built model (a KVCache, or the model's own kind), which its forward
     then takes as `cache=` (generate.py); None: generation recomputes the whole sequence for every token."""

@@ -21,10 +21,11 @@ once here, in the docstring of the function that computes it:
     host.py            host_memory_plan: a node's RAM by term and its peak (HostPlan.total);
                        check_host_memory, which refuses a node without room and names what fits
     communication.py   communication_bytes (FSDP and DDP), tensor_parallel_bytes, context_parallel_bytes,
-                       step_seconds
+                       expert_parallel_bytes (the all-to-alls), step_seconds
     choice.py          cheapest / recommend (sharding, activation checkpointing, offload),
-                       recommend_tensor_parallel (the degree, from estimate_tensor_parallel) and
-                       recommend_context_parallel (the smallest degree with which the sequence fits)
+                       recommend_tensor_parallel and recommend_expert_parallel (the degrees, from their
+                       estimate_* functions) and recommend_context_parallel (the smallest degree with
+                       which the sequence fits)
     check.py           check_plan, the launch-time check, with a fix that fits for each refusal
 
 report.py prints the table, resize.py the `--detect` advice, and __main__.py is the command line,
@@ -34,12 +35,16 @@ the one place that unpacks a whole Config: everything here takes the sub-configs
 from ..presets import HEADROOM, HOST_MEMORY
 from .check import check_plan, device_memory_gb
 from .choice import (
+    ExpertParallelEstimate,
     TensorParallelEstimate,
     cheapest,
     context_parallel_degrees,
+    estimate_expert_parallel,
     estimate_tensor_parallel,
+    expert_parallel_degrees,
     recommend,
     recommend_context_parallel,
+    recommend_expert_parallel,
     recommend_tensor_parallel,
     sharding_candidates,
     tensor_parallel_degrees,
@@ -49,6 +54,8 @@ from .communication import (
     communication_bytes,
     context_parallel_bytes,
     context_parallel_seconds,
+    expert_parallel_bytes,
+    expert_parallel_seconds,
     step_seconds,
     tensor_parallel_bytes,
     tensor_parallel_seconds,
@@ -77,6 +84,7 @@ __all__ = [
     "HEADROOM",
     "HOST_MEMORY",
     "SHARDINGS",
+    "ExpertParallelEstimate",
     "HostPlan",
     "MemoryPlan",
     "TensorParallelEstimate",
@@ -91,7 +99,11 @@ __all__ = [
     "context_parallel_degrees",
     "context_parallel_seconds",
     "device_memory_gb",
+    "estimate_expert_parallel",
     "estimate_tensor_parallel",
+    "expert_parallel_bytes",
+    "expert_parallel_degrees",
+    "expert_parallel_seconds",
     "grad_accum",
     "host_memory_plan",
     "host_plan_for",
@@ -100,6 +112,7 @@ __all__ = [
     "plan_for",
     "recommend",
     "recommend_context_parallel",
+    "recommend_expert_parallel",
     "recommend_tensor_parallel",
     "sequence_parallel",
     "shard_group",

@@ -1,8 +1,8 @@
-"""The planner's picks: the cheapest sharding, activation checkpointing and offload that fit, the
-tensor-parallel degree with the cheapest estimated step, and the smallest context-parallel degree with
-which the sequence fits. The same search ran at question time (hooks/plan.jinja's best_given,
-recommend, recommend_tp and recommend_cp) to choose the repo's defaults; the trainer's checks,
-`python -m <package>.plan` and its re-sizing advice run it on the live config."""
+"""The planner's picks: the cheapest sharding, activation checkpointing and offload that fit, the tensor-
+and expert-parallel degrees with the cheapest estimated step, and the smallest context-parallel degree
+with which the sequence fits. The same search ran at question time (hooks/plan.jinja's best_given,
+recommend, recommend_tp, recommend_ep and recommend_cp) to choose the repo's defaults; the trainer's
+checks, `python -m <package>.plan` and its re-sizing advice run it on the live config."""
 
 from __future__ import annotations
 
@@ -10,23 +10,31 @@ from dataclasses import dataclass, replace
 
 from ..config import CheckpointConfig, FinetuneConfig, HardwareConfig, ParallelConfig, TrainConfig
 from ..models import ModelConfig, model_shape, model_spec
-from .communication import MFU, communication_bytes, link_seconds, peak_flops, tensor_parallel_bytes
+from .communication import (
+    MFU,
+    communication_bytes,
+    expert_parallel_bytes,
+    link_seconds,
+    peak_flops,
+    tensor_parallel_bytes,
+)
 from .host import host_plan_for
 from .memory import AC_MODES, plan_for
 
 
 def sharding_candidates(
-    num_nodes: int, inter_node_link: str, tensor_parallel: int = 1, context_parallel: int = 1
+    num_nodes: int, inter_node_link: str, tensor_parallel: int = 1, context_parallel: int = 1, expert_parallel: int = 1
 ) -> tuple[str, ...]:
     """Least communication first; hybrid ahead of full when the link between nodes is slow, since it keeps
-    the parameter traffic inside the nodes. DDP (no_shard) is not combined with tensor or context parallelism."""
+    the parameter traffic inside the nodes. DDP (no_shard) is not combined with tensor, context or expert
+    parallelism."""
     if num_nodes > 1 and inter_node_link == "ethernet":
         order = ("no_shard", "shard_grad_op", "hybrid", "full")
     elif num_nodes > 1:
         order = ("no_shard", "shard_grad_op", "full", "hybrid")
     else:
         order = ("no_shard", "shard_grad_op", "full")
-    return order if tensor_parallel == 1 and context_parallel == 1 else order[1:]
+    return order if tensor_parallel == context_parallel == expert_parallel == 1 else order[1:]
 
 
 def cheapest(
@@ -46,7 +54,7 @@ def cheapest(
     """
     hw, cpu = hardware, hardware.accelerator == "cpu"
     shardings = ("full",) if cpu else sharding_candidates(hw.num_nodes, hw.inter_node_link, parallel.tensor_parallel,
-                                                          parallel.context_parallel)  # fmt: skip
+                                                          parallel.context_parallel, parallel.expert_parallel)  # fmt: skip
     args = dict(model=model, train=train, parallel=parallel, hardware=hw, finetune=finetune)
     for offload in (False,) if cpu else (False, True):
         for ac in AC_MODES:
@@ -207,3 +215,95 @@ def recommend_context_parallel(
                     checkpoint=checkpoint):  # fmt: skip
             return degree
     return degrees[-1]
+@dataclass(frozen=True)
+class ExpertParallelEstimate:
+    """The cheapest plan with one expert-parallel degree, and what a step of it is estimated to cost."""
+
+    degree: int
+    micro_batch_size: int
+    """Sequences per forward pass of a rank: the largest of the base and its halvings that fits."""
+    ac: str
+    sharding: str
+    cpu_offload: bool
+    compute_s: float
+    """Seconds of compute per step: 6 FLOPs per active parameter and token at MFU (a third more with full
+    recomputation)."""
+    fsdp_s: float
+    """Seconds of FSDP's communication per step, which overlaps with compute."""
+    ep_s: float
+    """Seconds of the all-to-alls per step, which do not."""
+    tokens: int
+    """Tokens per step over all ranks."""
+
+    @property
+    def step_s(self) -> float:
+        return max(self.compute_s, self.fsdp_s) + self.ep_s
+
+    @property
+    def seconds_per_token(self) -> float:
+        return self.step_s / self.tokens
+
+
+def expert_parallel_degrees(*, model: ModelConfig, hardware: HardwareConfig) -> list[int]:
+    """1, and on GPUs the powers of two that divide the GPUs per node and the experts: an expert-parallel group
+    sends tokens in every sparse layer, so it stays on the link inside a node, as a tensor-parallel one does."""
+    experts = model_shape(model).experts
+    if hardware.accelerator == "cpu" or not experts:
+        return [1]
+    degrees, e = [1], 2
+    while e <= hardware.gpus_per_node:
+        if hardware.gpus_per_node % e == 0 and experts % e == 0:
+            degrees.append(e)
+        e *= 2
+    return degrees
+
+
+def estimate_expert_parallel(
+    *, model: ModelConfig, train: TrainConfig, parallel: ParallelConfig, hardware: HardwareConfig,
+    finetune: FinetuneConfig, checkpoint: CheckpointConfig, degree: int, base_micro_batch: int,
+) -> ExpertParallelEstimate | None:  # fmt: skip
+    """The cheapest plan with expert-parallel `degree` at train's sequence length; None when no micro-batch fits."""
+    hw, s = hardware, model_shape(model)
+    world, precision = hw.gpus_per_node * hw.num_nodes, parallel.mixed_precision
+    trial = replace(parallel, expert_parallel=degree)
+    for i in range(12):
+        micro = base_micro_batch // 2**i
+        if micro < 1:
+            return None
+        batch = replace(train, micro_batch_size=micro, global_batch_size=micro * world)
+        choice = cheapest(model=model, train=batch, parallel=trial, hardware=hw, finetune=finetune,
+                          checkpoint=checkpoint)  # fmt: skip
+        if choice:
+            break
+    else:
+        return None
+    ac, sharding, offload = choice
+    tokens = micro * train.seq_len  # per rank and step
+    compute = 6 * s.active_params * tokens / (MFU * peak_flops(hardware=hw)) * (4 / 3 if ac == "full" else 1)
+    sent = communication_bytes(s, sharding, precision, hw.gpus_per_node, hw.num_nodes, False, parallel.float8,
+                               expert_parallel=degree)  # fmt: skip
+    a2a = {"intra": expert_parallel_bytes(s, precision, ac, degree, tokens), "inter": 0.0}
+    return ExpertParallelEstimate(degree, micro, ac, sharding, offload, compute, link_seconds(sent, hardware=hw),
+                                  link_seconds(a2a, hardware=hw), tokens * world)  # fmt: skip
+
+
+def recommend_expert_parallel(
+    *, model: ModelConfig, train: TrainConfig, parallel: ParallelConfig, hardware: HardwareConfig,
+    finetune: FinetuneConfig, checkpoint: CheckpointConfig, base_micro_batch: int,
+) -> int:  # fmt: skip
+    """The expert-parallel degree with the cheapest estimated plan: without CPU offload if any fits, then the
+    fewest seconds per token; 1 unless a larger degree is strictly better.
+
+    Expert parallelism shrinks what FSDP gathers and reduces of the experts (a rank moves 1/e of them,
+    among 1/e of the ranks) and the gathered block, and adds all-to-alls of the tokens inside a node that
+    compute waits for: it wins where the experts' traffic dominates a step, as in every large mixture
+    of experts, whose routed experts are most of its weights but few of its FLOPs.
+    """
+    args = dict(model=model, train=train, parallel=parallel, hardware=hardware, finetune=finetune,
+                checkpoint=checkpoint)  # fmt: skip
+    best, key = 1, None
+    for degree in expert_parallel_degrees(model=model, hardware=hardware):
+        found = estimate_expert_parallel(**args, degree=degree, base_micro_batch=base_micro_batch)
+        if found is not None and (key is None or (found.cpu_offload, found.seconds_per_token) < key):
+            best, key = degree, (found.cpu_offload, found.seconds_per_token)
+    return best

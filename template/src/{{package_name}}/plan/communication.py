@@ -21,6 +21,7 @@ MFU = 0.4
 def communication_bytes(
     s: ModelShape, sharding: str, precision: str, gpus_per_node: int, num_nodes: int, zero_optimizer: bool = False,
     float8: str = "none", lora_rank: int = 0, lora_targets: str = LORA["targets"], tensor_parallel: int = 1,
+    expert_parallel: int = 1,
 ) -> dict:  # fmt: skip
     """Bytes each rank sends per optimizer step, within a node ("intra") and across nodes ("inter"), as
     ring collectives send (N - 1) / N of the data over a group of N.
@@ -32,7 +33,9 @@ def communication_bytes(
     updated, 3 W P. Hybrid adds the all-reduce of each node's shard across the nodes,
     2 W P / gpus_per_node. With LoRA only the adapters have gradients and updates; the frozen weights
     are still gathered. With tensor parallelism each rank moves its group's 1/t among the data-parallel
-    ranks.
+    ranks. With expert parallelism e a rank gathers and reduces 1/e of the routed experts (X, the
+    sparse blocks' routed parameters: 2 X p + W X of full's volume), among the N / e ranks that
+    share them; the all-to-all of the tokens is expert_parallel_bytes.
     """
     p, t = (4 if precision == "fp32" else 2), tensor_parallel
     world = gpus_per_node * num_nodes
@@ -46,6 +49,10 @@ def communication_bytes(
     else:
         volume, group = 2 * gather + trained * 4 / t, (gpus_per_node if sharding == "hybrid" else world) // t
     sent = volume * (group - 1) / group
+    if expert_parallel > 1 and sharding != "no_shard":  # the routed experts travel among fewer ranks, less of them
+        e, routed = expert_parallel, s.sparse_layers * s.routed_params
+        experts = ((1 if sharding == "shard_grad_op" else 2) * routed * p + routed * 4) / t
+        sent = (volume - experts) * (group - 1) / group + experts / e * (group / e - 1) / (group / e)
     if sharding == "hybrid":  # plus the all-reduce of each shard across the nodes
         return {"intra": sent, "inter": 2 * (trained / gpus_per_node) * 4 * (num_nodes - 1) / num_nodes}
     return {"intra": sent if num_nodes == 1 else 0.0, "inter": sent if num_nodes > 1 else 0.0}
@@ -86,6 +93,22 @@ def context_parallel_bytes(
     g = s.kv if s.kv_heads // t % c == 0 else s.h
     k = 3 if ac == "full" else 2
     return tokens / c * p * (2 * s.h + 2 * g) / t * k * s.L * (c - 1) / c
+def expert_parallel_bytes(s: ModelShape, precision: str, ac: str, expert_parallel: int, tokens: int) -> float:
+    """Bytes each rank sends per step for expert parallelism, on the link inside its node: c tokens k h p
+    (e - 1) / e for each sparse layer, for `tokens` this rank's tokens per step, each sent as k copies of
+    h values.
+
+    A sparse layer's all-to-all sends the copies to the ranks of their experts and the outputs back
+    (dispatch and combine), and backward sends their gradients the same two ways (c = 4; 6 when full
+    activation checkpointing runs the forward again; selective keeps the all-to-all's outputs). A copy
+    for one of this rank's own experts stays (1/e of them, with routing in balance). The counts sent
+    first (num_experts integers) are left out.
+    """
+    if expert_parallel <= 1:
+        return 0.0
+    p, e = (4 if precision == "fp32" else 2), expert_parallel
+    c = 6 if ac == "full" else 4
+    return c * tokens * s.top_k * s.h * p * (e - 1) / e * s.sparse_layers
 
 
 def link_seconds(sent: dict, *, hardware: HardwareConfig) -> float:
@@ -106,8 +129,9 @@ def step_seconds(
     """(compute, communication) seconds per step at MFU and the planned link speeds: whether FSDP's
     traffic can hide behind compute is their ratio.
 
-    6 FLOPs per parameter and token (forward, input and weight gradients); a frozen weight has no weight
-    gradient, so with LoRA 4 per frozen parameter and 6 per adapter parameter. Communication is FSDP's or
+    6 FLOPs per parameter and token (forward, input and weight gradients), of the parameters a token is
+    multiplied by (a mixture of experts' active ones); a frozen weight has no weight gradient, so with LoRA 4
+    per frozen parameter and 6 per adapter parameter. Communication is FSDP's or
     DDP's (communication_bytes), which overlaps with compute; tensor parallelism's, which does not, is
     tensor_parallel_seconds.
     """
@@ -115,11 +139,11 @@ def step_seconds(
     world = hw.gpus_per_node * hw.num_nodes
     tokens_per_rank = train.global_batch_size * train.seq_len / world
     adapters = s.L * adapter_params(s, **lora)
-    flops = 4 * s.P + 6 * adapters if lora["lora_rank"] else 6 * s.P
+    flops = 4 * s.P + 6 * adapters if lora["lora_rank"] else 6 * s.active_params
     compute = flops * tokens_per_rank / (MFU * peak_flops(hardware=hw))
     sent = communication_bytes(
         s, sharding, parallel.mixed_precision, hw.gpus_per_node, hw.num_nodes, zero_optimizer, parallel.float8,
-        **lora, tensor_parallel=parallel.tensor_parallel,
+        **lora, tensor_parallel=parallel.tensor_parallel, expert_parallel=parallel.expert_parallel,
     )  # fmt: skip
     return compute, link_seconds(sent, hardware=hw)
 
@@ -145,4 +169,15 @@ def context_parallel_seconds(
     sent = context_parallel_bytes(s, parallel.mixed_precision, parallel.activation_checkpointing, t, c, tokens)
     if not sent:  # no context parallelism (and perhaps one rank a node, and no link to name)
         return 0.0
+    return sent / (LINK_GBPS[hardware.intra_node_link] * 1e9)
+
+
+def expert_parallel_seconds(
+    s: ModelShape, *, train: TrainConfig, parallel: ParallelConfig, hardware: HardwareConfig
+) -> float:
+    """Seconds per step that expert parallelism's all-to-alls take on the link inside a node; compute waits
+    for them (a layer's experts need its tokens)."""
+    tokens = train.global_batch_size * train.seq_len // (hardware.gpus_per_node * hardware.num_nodes)
+    sent = expert_parallel_bytes(s, parallel.mixed_precision, parallel.activation_checkpointing,
+                                 parallel.expert_parallel, tokens)  # fmt: skip
     return sent / (LINK_GBPS[hardware.intra_node_link] * 1e9)

@@ -31,12 +31,14 @@ class MemoryPlan:
     activations: float
     host: float
     """Bytes kept in host memory by CPU offload."""
+    dispatch: float = 0.0
+    """Expert parallelism's all-to-all buffers in a sparse layer (0 without)."""
 
     @property
     def total(self) -> float:
         """Peak bytes on the device: offloaded state is on the host, so it does not count here."""
         resident = 0 if self.host else self.params + self.optim
-        return resident + self.grads_live + self.gathered + self.gradbuf + self.activations
+        return resident + self.grads_live + self.gathered + self.gradbuf + self.activations + self.dispatch
 
     def fits(self, gpu_memory_gb: float) -> bool:
         """HEADROOM leaves the rest to what `max_memory_allocated` does not see: the CUDA context, NCCL's
@@ -57,7 +59,7 @@ def memory_plan(
     cpu_offload: bool, gpus_per_node: int, num_nodes: int, grad_accum: int = 1, sync_every_microbatch: bool = False,
     zero_optimizer: bool = False, prefetch_blocks: int = 0, float8: str = "none", lora_rank: int = 0,
     lora_targets: str = LORA["targets"], tensor_parallel: int = 1, sequence_parallel: bool = True,
-    context_parallel: int = 1,
+    context_parallel: int = 1, expert_parallel: int = 1,
 ) -> MemoryPlan:  # fmt: skip
     """Bytes per rank of each term, for the model's shape `s` (P parameters, Pb per block, Pn outside the
     blocks, L blocks, vocabulary V), p bytes per element of the compute dtype, G = shard_group ranks
@@ -87,11 +89,20 @@ def memory_plan(
     dtype without a master copy, grads 4A / G t, optim 8A / G t; gathered and gradbuf count Pb + Ab
     parameters a block and only Ab gradients. float8 tensorwise gathers one byte per linear weight
     (block_gather_bytes). MemoryPlan.total is the peak.
+
+    A mixture of experts (E routed experts of R = expert_params each per sparse block, k per token) with
+    expert parallelism e: its experts are split among e ranks and FSDP shards each over G / e, so every
+    rank still holds 1/G of the state, but a gathered block holds E R / e of its routed weights (gathered
+    and gradbuf count Pb - E R (e - 1) / e), and each sparse layer sends and receives its T k token
+    copies by all-to-all: dispatch, 2 T k h p, the send and receive buffers of one all-to-all (routing in
+    balance: a rank receives as many copies as it sends).
     """
     p, t = (4 if precision == "fp32" else 2), tensor_parallel
     adapters = adapter_params(s, lora_rank, lora_targets)  # per block
     trained, trained_block = (s.L * adapters, adapters) if lora_rank else (s.P, s.Pb)
-    block = block_gather_bytes(s, p, sharding, float8, adapters) / t
+    if expert_parallel > 1:  # this rank gathers and reduces 1/e of the routed experts
+        trained_block -= s.routed_params * (expert_parallel - 1) / expert_parallel
+    block = block_gather_bytes(s, p, sharding, float8, adapters, expert_parallel) / t
     group = shard_group(sharding, gpus_per_node, num_nodes, t)
     # LoRA stores the frozen weights in the compute dtype (models/lora.py's apply_lora).
     stored = p * s.P + 4 * s.L * adapters if lora_rank else 4 * s.P
@@ -119,15 +130,20 @@ def memory_plan(
     extra = per_layer("none") if ac == "full" else 0  # the one block being recomputed in backward
     activations = tokens * (s.L * per_layer(ac) + extra) + logits * s.V * (p + 12)
     host = params + grads + optim if cpu_offload else 0
-    return MemoryPlan(params, grads, optim, grads_live, gathered, gradbuf, activations, host)
+    dispatch = 2 * tokens * s.top_k * s.h * p if expert_parallel > 1 and s.sparse_layers else 0
+    return MemoryPlan(params, grads, optim, grads_live, gathered, gradbuf, activations, host, dispatch)
 
 
-def block_gather_bytes(s: ModelShape, p: int, sharding: str, float8: str, adapters: int = 0) -> float:
+def block_gather_bytes(
+    s: ModelShape, p: int, sharding: str, float8: str, adapters: int = 0, expert_parallel: int = 1
+) -> float:
     """Bytes of one all-gathered block with its `adapters` LoRA parameters: (Pb + Ab) p, or with float8
     tensorwise one byte per linear weight, since FSDP then gathers them in float8 (the norms and biases
-    stay in the compute dtype)."""
+    stay in the compute dtype). Under expert parallelism e a block gathers 1/e of its routed experts."""
     if float8 == "tensorwise" and sharding != "no_shard":
         return s.linear_params + (s.Pb - s.linear_params) * p
+    if expert_parallel > 1:
+        return (s.Pb + adapters - s.routed_params * (expert_parallel - 1) / expert_parallel) * p
     return (s.Pb + adapters) * p
 
 
@@ -193,5 +209,5 @@ def plan_for(
         zero_optimizer=p.zero_optimizer if zero_optimizer is None else zero_optimizer,
         prefetch_blocks=p.prefetch_blocks, float8=p.float8, **lora_of(finetune=finetune, method=method),
         tensor_parallel=p.tensor_parallel, sequence_parallel=sequence_parallel(model=model, parallel=p),
-        context_parallel=p.context_parallel,
+        context_parallel=p.context_parallel, expert_parallel=p.expert_parallel,
     )  # fmt: skip

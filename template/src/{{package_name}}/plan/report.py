@@ -18,13 +18,17 @@ from . import (
     context_parallel_bytes,
     context_parallel_degrees,
     context_parallel_seconds,
+    estimate_expert_parallel,
     estimate_tensor_parallel,
+    expert_parallel_degrees,
+    expert_parallel_seconds,
     grad_accum,
     host_plan_for,
     lora_of,
     plan_for,
     recommend,
     recommend_context_parallel,
+    recommend_expert_parallel,
     recommend_tensor_parallel,
     step_seconds,
     tensor_parallel_degrees,
@@ -52,8 +56,9 @@ def format_table(
     usable = HOST_MEMORY["headroom"] * hw.host_memory_gb
     ram = f"; {hw.host_memory_gb:g} GiB of RAM per node ({usable:.1f} usable)" if hw.host_memory_gb else ""
     accum = grad_accum(train=train, parallel=p, hardware=hw)
+    active = f" ({s.active_params / 1e9:.2f}B active a token)" if s.active_params != s.P else ""
     rows = [
-        f"{model.preset}: {s.P / 1e9:.2f}B parameters; per {group} {train.micro_batch_size} x "
+        f"{model.preset}: {s.P / 1e9:.2f}B parameters{active}; per {group} {train.micro_batch_size} x "
         f"{train.seq_len} tokens x {accum} micro-batch(es); {p.mixed_precision}; activation "
         f"checkpointing {p.activation_checkpointing}",
         f"hardware: {hw.num_nodes} node(s) x {hw.gpus_per_node} {hw.accelerator}"
@@ -75,9 +80,8 @@ def format_table(
             "comm/compute",
         ),  # fmt: skip
     ]
-    ddp = (
-        [("no_shard", False, False), ("no_shard", False, True)] if p.tensor_parallel == p.context_parallel == 1 else []
-    )
+    single = p.tensor_parallel == p.context_parallel == p.expert_parallel == 1
+    ddp = [("no_shard", False, False), ("no_shard", False, True)] if single else []
     choices = ddp + [
         (x, offload, False) for x in SHARDINGS[1:] if x != "hybrid" or hw.num_nodes > 1 for offload in (False, True)
     ]
@@ -87,7 +91,7 @@ def format_table(
                                      zero_optimizer=zero)  # fmt: skip
         sent = communication_bytes(
             s, sharding, p.mixed_precision, hw.gpus_per_node, hw.num_nodes, zero, p.float8,
-            **lora_of(finetune=finetune), tensor_parallel=p.tensor_parallel,
+            **lora_of(finetune=finetune), tensor_parallel=p.tensor_parallel, expert_parallel=p.expert_parallel,
         )  # fmt: skip
         host = host_plan_for(**args, checkpoint=checkpoint, m=m, cpu_offload=offload)
         device_fits = not hw.gpu_memory_gb or m.fits(hw.gpu_memory_gb)
@@ -108,6 +112,7 @@ def format_table(
         "comm/compute: estimated communication time over compute time per step (40% MFU); above 1, FSDP cannot "
         "hide the communication behind compute",
     ]
+    rows += expert_parallel_rows(**args, checkpoint=checkpoint)
     more = tensor_parallel_rows(**args, checkpoint=checkpoint) + context_parallel_rows(**args, checkpoint=checkpoint)
     return "\n".join(rows + more)
 
@@ -171,6 +176,41 @@ def tensor_parallel_rows(
     best = recommend_tensor_parallel(**args, base_micro_batch=base)
     rows.append(f"planner's tensor_parallel: {best} (no CPU offload if any degree avoids it, then the fewest "
                 "seconds per token; TP's collectives are not overlapped)")  # fmt: skip
+    return rows
+
+
+def expert_parallel_rows(
+    *, model: ModelConfig, train: TrainConfig, parallel: ParallelConfig, hardware: HardwareConfig,
+    finetune: FinetuneConfig, checkpoint: CheckpointConfig,
+) -> list[str]:  # fmt: skip
+    """A mixture of experts: the all-to-alls of this config, and every expert-parallel degree's cheapest plan and
+    estimated step (choice.estimate_expert_parallel)."""
+    s, hw = model_shape(model), hardware
+    if not s.experts:
+        return []
+    a2a = expert_parallel_seconds(s, train=train, parallel=parallel, hardware=hw)
+    rows = ["", f"experts: {s.experts} per layer, {s.top_k} a token; expert_parallel={parallel.expert_parallel}: "
+            f"all-to-alls {a2a:.3f} s a step on the link inside a node (not overlapped)"]  # fmt: skip
+    degrees = expert_parallel_degrees(model=model, hardware=hw)
+    if len(degrees) == 1 or not hw.gpu_memory_gb:
+        return rows
+    args = dict(model=model, train=train, parallel=parallel, hardware=hw, finetune=finetune, checkpoint=checkpoint)
+    rows.append(f"{'degree':<8}{'micro':>6}  {'plan (AC, sharding, offload)':<30}{'compute s':>10}{'FSDP s':>8}"
+                f"{'a2a s':>7}{'step s':>8}{'s / 1M tokens':>15}")  # fmt: skip
+    for degree in degrees:
+        e = estimate_expert_parallel(**args, degree=degree, base_micro_batch=train.micro_batch_size)
+        this = "   <- this config" if degree == parallel.expert_parallel else ""
+        if e is None:
+            rows.append(f"{degree:<8}{'-':>6}  nothing fits{this}")
+            continue
+        choice = f"{e.ac}, {e.sharding}, {'yes' if e.cpu_offload else 'no'}"
+        seconds = (
+            f"{e.compute_s:>10.2f}{e.fsdp_s:>8.2f}{e.ep_s:>7.2f}{e.step_s:>8.2f}{e.seconds_per_token * 1e6:>15.1f}"
+        )
+        rows.append(f"{degree:<8}{e.micro_batch_size:>6}  {choice:<30}{seconds}{this}")
+    best = recommend_expert_parallel(**args, base_micro_batch=train.micro_batch_size)
+    rows.append(f"planner's expert_parallel: {best} (no CPU offload if any degree avoids it, then the fewest seconds "
+                "per token; the all-to-alls are not overlapped)")  # fmt: skip
     return rows
 
 

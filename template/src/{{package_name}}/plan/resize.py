@@ -11,7 +11,7 @@ from pathlib import Path
 
 from .. import hardware as machine
 from ..config import CheckpointConfig, DistConfig, FinetuneConfig, HardwareConfig, ParallelConfig, TrainConfig
-from ..models import ModelConfig
+from ..models import ModelConfig, model_shape
 from ..presets import DEFAULT_BACKEND, DEFAULT_PRECISION
 from . import (
     GIB,
@@ -23,6 +23,7 @@ from . import (
     plan_for,
     recommend,
     recommend_context_parallel,
+    recommend_expert_parallel,
     recommend_tensor_parallel,
 )
 
@@ -81,7 +82,7 @@ def with_answers(
     """The train, parallel and hardware sub-configs as `copier update -d answers` would render them on
     `live`, keeping the micro-batches per step (the global batch follows the data-parallel ranks)."""
     parallel_keys = ("mixed_precision", "compile", "sharding", "activation_checkpointing", "cpu_offload",
-                     "tensor_parallel", "context_parallel")  # fmt: skip
+                     "tensor_parallel", "context_parallel", "expert_parallel")  # fmt: skip
     new = replace(parallel, **{k: answers[k] for k in parallel_keys if k in answers})
     micro = answers.get("micro_batch_size", train.micro_batch_size)
     dp = max(live.gpus_per_node * live.num_nodes // (new.tensor_parallel * new.context_parallel), 1)
@@ -130,10 +131,14 @@ def resize(
             answers[key] = new
     fixed = dict(model=model, finetune=finetune, checkpoint=checkpoint)
     replan = dict(train=train, parallel=parallel, hardware=hardware, live=live)
-    if model.preset not in ("debug", "vit-debug"):  # only preset configs carry a tensor- or context-parallel degree
+    if model.preset not in ("debug", "vit-debug", "moe-debug"):  # only preset configs carry the degrees
         answers |= tensor_parallel_answers(**fixed, **with_answers(**replan, answers=answers))
         if parallel.context_parallel > 1:  # a repo planned without it keeps its sequence, or halves it as before
             answers |= context_parallel_answers(**fixed, **with_answers(**replan, answers=answers))
+        if model_shape(model).experts:  # the experts' degree for the new node (copier asks it for qwen3_moe)
+            degree = recommend_expert_parallel(**fixed, **with_answers(**replan, answers=answers),
+                                               base_micro_batch=train.micro_batch_size)  # fmt: skip
+            answers |= {"expert_parallel": degree} if degree != parallel.expert_parallel else {}
     if live.accelerator != "cpu" and cheapest(**fixed, **with_answers(**replan, answers=answers)) is None:
         answers |= fitting_batch(**fixed, **with_answers(**replan, answers=answers))
     ac, sharding, offload = recommend(**fixed, **with_answers(**replan, answers=answers))
