@@ -53,8 +53,8 @@ def cheapest(
     they are given).
     """
     hw, cpu = hardware, hardware.accelerator == "cpu"
-    shardings = ("full",) if cpu else sharding_candidates(hw.num_nodes, hw.inter_node_link, parallel.tensor_parallel,
-                                                          parallel.context_parallel, parallel.expert_parallel)  # fmt: skip
+    degrees = (parallel.tensor_parallel, parallel.context_parallel, parallel.expert_parallel)
+    shardings = ("full",) if cpu else sharding_candidates(hw.num_nodes, hw.inter_node_link, *degrees)
     args = dict(model=model, train=train, parallel=parallel, hardware=hw, finetune=finetune)
     for offload in (False,) if cpu else (False, True):
         for ac in AC_MODES:
@@ -215,6 +215,8 @@ def recommend_context_parallel(
                     checkpoint=checkpoint):  # fmt: skip
             return degree
     return degrees[-1]
+
+
 @dataclass(frozen=True)
 class ExpertParallelEstimate:
     """The cheapest plan with one expert-parallel degree, and what a step of it is estimated to cost."""

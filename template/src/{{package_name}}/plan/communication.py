@@ -93,6 +93,8 @@ def context_parallel_bytes(
     g = s.kv if s.kv_heads // t % c == 0 else s.h
     k = 3 if ac == "full" else 2
     return tokens / c * p * (2 * s.h + 2 * g) / t * k * s.L * (c - 1) / c
+
+
 def expert_parallel_bytes(s: ModelShape, precision: str, ac: str, expert_parallel: int, tokens: int) -> float:
     """Bytes each rank sends per step for expert parallelism, on the link inside its node: c tokens k h p
     (e - 1) / e for each sparse layer, for `tokens` this rank's tokens per step, each sent as k copies of
