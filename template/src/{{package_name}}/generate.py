@@ -12,9 +12,9 @@ checkpoint.init_from. Text goes through `data.tokenizer`, the tokenizer `data pr
 synthetic data or no tokenizer, prompts and outputs are token ids. `--chat` renders chats with the
 tokenizer's chat template (for models fine-tuned on chats). Greedy unless `--temperature` is above 0;
 `--top-k` and `--top-p` narrow the sampling, `--seed` repeats it. Models with a key/value cache
-(SPEC.kv_cache: the built-in decoder's, transformers' own for hf_causal_lm) run the prompt once, then
-one token a step; the others recompute the sequence for every token. Bad input is refused in one line
-naming the fix, with exit code 2 (config.EXIT_USAGE), as the trainer and `data prepare` refuse it.
+(SPEC.kv_cache: the built-in decoders', llama and qwen3_moe; transformers' own for hf_causal_lm) run
+the prompt once, then one token a step; the others recompute the sequence for every token. Bad input
+is refused in one line naming the fix, with exit code 2 (config.EXIT_USAGE), as the trainer and `data prepare` refuse it.
 It is a tool of its own, not a step of training: a validation-time sample (eval.sample_prompts) would
 run forwards of new lengths through compiled, tensor-parallel blocks built for train.seq_len.
 """

@@ -8,7 +8,7 @@
 Every public name of those files is re-exported, so `from <package>.models.qwen3_moe import X` needs no file name.
 """
 
-from ..spec import HFLayout, ModelSpec
+from ..spec import HFLayout, ModelSpec, new_kv_cache
 from .hf import NAMES, QWEN3_MOE, config_json, from_hf, hf_errors, to_hf
 from .model import Attention, Block, Qwen3Moe, Qwen3MoeConfig
 from .moe import (
@@ -66,6 +66,7 @@ SPEC = ModelSpec(
     # No LoRA: models/lora.py adapts nn.Linear layers, and the routed experts, where a MoE's weights are,
     # are stacked 3-D parameters (GroupedExperts); adapters on attention alone would train a sliver of it.
     lora=None,
+    kv_cache=new_kv_cache,
     lora_refusal="its routed experts, where most of its weights are, are stacked 3-D weights that models/lora.py "
     "(adapters beside nn.Linear layers) does not adapt",
     # No tensor-parallel plan yet: attention alone would split cleanly (llama's colwise / rowwise, with

@@ -31,8 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...presets import MOE_PRESETS
-from ..llama import apply_rope, rope_cache
-from ..spec import ModelConfig
+from ..llama import apply_rope, causal_mask, rope_cache
+from ..spec import BlockCache, KVCache, ModelConfig
 from .moe import LOAD, FeedForward, MoE, Router, bias_update, load_balancing_loss
 
 # The fields are transformers' Qwen3MoeConfig's under this repo's names (hidden_size -> dim,
@@ -181,14 +181,20 @@ class Attention(nn.Module):
         self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps)
         self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: BlockCache | None = None) -> torch.Tensor:
         bsz, seq_len, _ = x.shape
         # Head counts come from the projections' outputs, so a tensor-parallel plan may split the heads.
         q = self.q_norm(self.wq(x).view(bsz, seq_len, -1, self.head_dim)).transpose(1, 2)
         k = self.k_norm(self.wk(x).view(bsz, seq_len, -1, self.head_dim)).transpose(1, 2)
         v = self.wv(x).view(bsz, seq_len, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+        cached = 0
+        if cache is not None:  # generation: these positions follow the cached ones, and attend to them too
+            cached = cache.length
+            k, v = cache.update(k, v)
+        mask = causal_mask(seq_len, cached, x.device)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=cached == 0,
+                                             enable_gqa=k.shape[1] != q.shape[1])  # fmt: skip
         return self.wo(out.transpose(1, 2).reshape(bsz, seq_len, -1))
 
 
@@ -216,8 +222,10 @@ class Block(nn.Module):
         else:
             self.feed_forward = FeedForward(cfg.dim, cfg.ffn_hidden_dim)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        x = x + self.attention(self.attention_norm(x), rope=rope)
+    def forward(
+        self, x: torch.Tensor, rope: torch.Tensor, cache: BlockCache | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        x = x + self.attention(self.attention_norm(x), rope=rope, cache=cache)
         if self.moe is None:
             return x + self.feed_forward(self.ffn_norm(x)), None
         out, stats = self.moe(self.ffn_norm(x))
@@ -242,11 +250,16 @@ class Qwen3Moe(nn.Module):
     def _rope_cache(self, device=None) -> torch.Tensor:
         return rope_cache(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, device)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, *, cache: KVCache | None = None) -> torch.Tensor:
+        """Logits of every position of `tokens` (batch, seq). With a `cache` (generation), `tokens` are the
+        positions after the cached ones, and their keys and values join the cache; routing is per token, so
+        the experts need nothing cached."""
         h = self.tok_embeddings(tokens)
         stats = []
-        for layer in self.layers:
-            h, layer_stats = layer(h, rope=self.rope)
+        rope = self.rope if cache is None else self.rope[cache.length :]
+        blocks = [None] * len(self.layers) if cache is None else cache.blocks
+        for layer, block_cache in zip(self.layers, blocks, strict=True):
+            h, layer_stats = layer(h, rope=rope, cache=block_cache)
             if layer_stats is not None:
                 stats.append(layer_stats)
         # The root is not compiled: it may keep what its blocks returned, for aux_loss and the balance.
