@@ -675,7 +675,7 @@ def test_question_time_and_run_time_agree_for_a_mixture_of_experts(moe):
             continue
         seq, mbs = MOE[preset]["seq_len"], MOE[preset]["micro_batch_size"]
         q = json.loads(jinja("memory_plan", preset, seq, mbs, precision, ac, sharding, offload, gpus, nodes, accum,
-                             False, False, 0, "none", "full", 1, True, ep))  # fmt: skip
+                             False, False, 0, "none", "full", 1, True, 1, ep))  # fmt: skip
         r = plan.memory_plan(shape_of(preset), seq_len=seq, micro_batch_size=mbs, precision=precision, ac=ac,
                              sharding=sharding, cpu_offload=offload, gpus_per_node=gpus, num_nodes=nodes,
                              grad_accum=accum, expert_parallel=ep)  # fmt: skip
