@@ -14,7 +14,8 @@ tokenizer's chat template (for models fine-tuned on chats). Greedy unless `--tem
 `--top-k` and `--top-p` narrow the sampling, `--seed` repeats it. Models with a key/value cache
 (SPEC.kv_cache: the built-in decoders', llama and qwen3_moe; transformers' own for hf_causal_lm) run
 the prompt once, then one token a step; the others recompute the sequence for every token. Bad input
-is refused in one line naming the fix, with exit code 2 (config.EXIT_USAGE), as the trainer and `data prepare` refuse it.
+is refused in one line naming the fix, with exit code 2 (config.EXIT_USAGE), as the trainer and `data
+prepare` refuse it.
 It is a tool of its own, not a step of training: a validation-time sample (eval.sample_prompts) would
 run forwards of new lengths through compiled, tensor-parallel blocks built for train.seq_len.
 """
