@@ -26,6 +26,7 @@ TEMPLATE = Path(__file__).resolve().parents[1]
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b[()][A-Za-z0-9]|\x1b[=>]|\r")
 QMARK = "🎤"
 DOWN, UP, ENTER, CLEAR_LINE = "\x1b[B", "\x1b[A", "\r", "\x15"
+REDRAW = "\x0c"  # Ctrl-L: prompt_toolkit clears the screen and draws the prompt again
 COLUMNS = 100
 """The terminal width the questions are written for: every help line, choice and refusal fits it."""
 
@@ -196,11 +197,23 @@ class CopierSession:
     def type(self, value: str) -> str:
         """Replace the text of a typed prompt with `value` and press Enter; the validator's
         message if copier refused it (the prompt stays), else ""."""
-        self.child.send(CLEAR_LINE + value + ENTER)
-        shown = self._read_until_quiet()
-        tail = shown.rsplit(QMARK, 1)[-1] if QMARK in shown else shown
-        refused = "Validation error" in tail or "Invalid input" in tail
-        return " ".join(tail.split()) if refused else ""
+        # prompt_toolkit redraws only the cells that change, so a second refusal in a row would show only where
+        # its message differs from the first: Ctrl-L, handled once the validator has run (it may take seconds:
+        # the planner), redraws the whole prompt, message included (or the next question, harmlessly).
+        self.child.send(CLEAR_LINE + value + ENTER + REDRAW)
+        shown, silent = "", 0
+        for _ in range(240):  # two minutes at most
+            new = self._read_until_quiet()
+            shown, silent = shown + new, 0 if new else silent + 1
+            tail = shown.rsplit(QMARK, 1)[-1] if QMARK in shown else shown
+            if "Validation error" in tail or "Invalid input" in tail:
+                shown += self._read_until_quiet()  # the redraw, if it came after: the message in full
+                tail = shown.rsplit(QMARK, 1)[-1]
+                return " ".join(tail.split())
+            name = self._name(tail)
+            if (name and name != self.current.name) or not self.child.isalive() or silent == 20:
+                return ""  # another question, copier done, or a refusal shown blank (a checkbox's)
+        raise AssertionError(f"{self.current.name}: no answer to {value!r}; the terminal shows:\n{self.screen[-3000:]}")
 
     def confirm(self, yes: bool) -> None:
         self.child.send("y" if yes else "n")
