@@ -35,8 +35,7 @@ the one place that unpacks a whole Config: everything here takes the sub-configs
 from ..presets import HEADROOM, HOST_MEMORY
 from .check import check_plan, device_memory_gb
 from .choice import (
-    ExpertParallelEstimate,
-    TensorParallelEstimate,
+    DegreeEstimate,
     cheapest,
     context_parallel_degrees,
     estimate_expert_parallel,
@@ -84,10 +83,9 @@ __all__ = [
     "HEADROOM",
     "HOST_MEMORY",
     "SHARDINGS",
-    "ExpertParallelEstimate",
+    "DegreeEstimate",
     "HostPlan",
     "MemoryPlan",
-    "TensorParallelEstimate",
     "activation_bytes_per_token",
     "adapter_params",
     "block_gather_bytes",

@@ -80,27 +80,31 @@ def recommend(
 
 
 @dataclass(frozen=True)
-class TensorParallelEstimate:
-    """The cheapest plan with one tensor-parallel degree, and what a step of it is estimated to cost."""
+class DegreeEstimate:
+    """The cheapest plan with one tensor- or expert-parallel degree, and what a step of it is estimated to cost
+    (estimate_tensor_parallel, estimate_expert_parallel)."""
 
     degree: int
     micro_batch_size: int
-    """Sequences per forward pass of a group: the largest of base x degree and its halvings that fits."""
+    """Sequences per forward pass of a rank (of a tensor-parallel group): the largest of the base (times the
+    tensor-parallel degree) and its halvings that fits."""
     ac: str
     sharding: str
     cpu_offload: bool
     compute_s: float
-    """Seconds of compute per step (at MFU; full activation checkpointing adds a third)."""
+    """Seconds of compute per step: 6 FLOPs per (active) parameter and token at MFU, a third more with full
+    recomputation."""
     fsdp_s: float
     """Seconds of FSDP's communication per step, which overlaps with compute."""
-    tp_s: float
-    """Seconds of tensor parallelism's communication per step, which does not."""
+    degree_s: float
+    """Seconds of the degree's own communication per step (tensor parallelism's collectives, expert
+    parallelism's all-to-alls), which compute waits for."""
     tokens: int
-    """Tokens per step over all ranks (a global batch of micro_batch_size per data-parallel rank)."""
+    """Tokens per step over all ranks."""
 
     @property
     def step_s(self) -> float:
-        return max(self.compute_s, self.fsdp_s) + self.tp_s
+        return max(self.compute_s, self.fsdp_s) + self.degree_s
 
     @property
     def seconds_per_token(self) -> float:
@@ -126,7 +130,7 @@ def tensor_parallel_degrees(
 def estimate_tensor_parallel(
     *, model: ModelConfig, train: TrainConfig, parallel: ParallelConfig, hardware: HardwareConfig,
     finetune: FinetuneConfig, checkpoint: CheckpointConfig, degree: int, base_micro_batch: int,
-) -> TensorParallelEstimate | None:  # fmt: skip
+) -> DegreeEstimate | None:  # fmt: skip
     """The cheapest plan with `degree` at train's sequence length; None when no micro-batch fits.
 
     A group of `degree` GPUs starts from `base_micro_batch` sequences per GPU, so its micro-batch (and
@@ -153,7 +157,7 @@ def estimate_tensor_parallel(
     sent = communication_bytes(s, sharding, precision, hw.gpus_per_node, hw.num_nodes, False, parallel.float8,
                                tensor_parallel=degree)  # fmt: skip
     tp = link_seconds({"intra": tensor_parallel_bytes(s, precision, ac, degree, tokens), "inter": 0.0}, hardware=hw)
-    return TensorParallelEstimate(
+    return DegreeEstimate(
         degree, micro, ac, sharding, offload, compute, link_seconds(sent, hardware=hw), tp, tokens * world // degree
     )
 
@@ -217,35 +221,6 @@ def recommend_context_parallel(
     return degrees[-1]
 
 
-@dataclass(frozen=True)
-class ExpertParallelEstimate:
-    """The cheapest plan with one expert-parallel degree, and what a step of it is estimated to cost."""
-
-    degree: int
-    micro_batch_size: int
-    """Sequences per forward pass of a rank: the largest of the base and its halvings that fits."""
-    ac: str
-    sharding: str
-    cpu_offload: bool
-    compute_s: float
-    """Seconds of compute per step: 6 FLOPs per active parameter and token at MFU (a third more with full
-    recomputation)."""
-    fsdp_s: float
-    """Seconds of FSDP's communication per step, which overlaps with compute."""
-    ep_s: float
-    """Seconds of the all-to-alls per step, which do not."""
-    tokens: int
-    """Tokens per step over all ranks."""
-
-    @property
-    def step_s(self) -> float:
-        return max(self.compute_s, self.fsdp_s) + self.ep_s
-
-    @property
-    def seconds_per_token(self) -> float:
-        return self.step_s / self.tokens
-
-
 def expert_parallel_degrees(*, model: ModelConfig, hardware: HardwareConfig) -> list[int]:
     """1, and on GPUs the powers of two that divide the GPUs per node and the experts: an expert-parallel group
     sends tokens in every sparse layer, so it stays on the link inside a node, as a tensor-parallel one does."""
@@ -263,7 +238,7 @@ def expert_parallel_degrees(*, model: ModelConfig, hardware: HardwareConfig) -> 
 def estimate_expert_parallel(
     *, model: ModelConfig, train: TrainConfig, parallel: ParallelConfig, hardware: HardwareConfig,
     finetune: FinetuneConfig, checkpoint: CheckpointConfig, degree: int, base_micro_batch: int,
-) -> ExpertParallelEstimate | None:  # fmt: skip
+) -> DegreeEstimate | None:  # fmt: skip
     """The cheapest plan with expert-parallel `degree` at train's sequence length; None when no micro-batch fits."""
     hw, s = hardware, model_shape(model)
     world, precision = hw.gpus_per_node * hw.num_nodes, parallel.mixed_precision
@@ -285,7 +260,7 @@ def estimate_expert_parallel(
     sent = communication_bytes(s, sharding, precision, hw.gpus_per_node, hw.num_nodes, False, parallel.float8,
                                expert_parallel=degree)  # fmt: skip
     a2a = {"intra": expert_parallel_bytes(s, precision, ac, degree, tokens), "inter": 0.0}
-    return ExpertParallelEstimate(degree, micro, ac, sharding, offload, compute, link_seconds(sent, hardware=hw),
+    return DegreeEstimate(degree, micro, ac, sharding, offload, compute, link_seconds(sent, hardware=hw),
                                   link_seconds(a2a, hardware=hw), tokens * world)  # fmt: skip
 
 

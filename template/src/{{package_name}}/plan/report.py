@@ -171,7 +171,7 @@ def tensor_parallel_rows(
             continue
         choice = f"{e.ac}, {e.sharding}, {'yes' if e.cpu_offload else 'no'}"
         per_million = e.seconds_per_token * 1e6
-        seconds = f"{e.compute_s:>10.2f}{e.fsdp_s:>8.2f}{e.tp_s:>7.2f}{e.step_s:>8.2f}{per_million:>15.1f}"
+        seconds = f"{e.compute_s:>10.2f}{e.fsdp_s:>8.2f}{e.degree_s:>7.2f}{e.step_s:>8.2f}{per_million:>15.1f}"
         rows.append(f"{degree:<8}{e.micro_batch_size:>6}  {choice:<30}{seconds}{this}")
     best = recommend_tensor_parallel(**args, base_micro_batch=base)
     rows.append(f"planner's tensor_parallel: {best} (no CPU offload if any degree avoids it, then the fewest "
@@ -205,7 +205,7 @@ def expert_parallel_rows(
             continue
         choice = f"{e.ac}, {e.sharding}, {'yes' if e.cpu_offload else 'no'}"
         seconds = (
-            f"{e.compute_s:>10.2f}{e.fsdp_s:>8.2f}{e.ep_s:>7.2f}{e.step_s:>8.2f}{e.seconds_per_token * 1e6:>15.1f}"
+            f"{e.compute_s:>10.2f}{e.fsdp_s:>8.2f}{e.degree_s:>7.2f}{e.step_s:>8.2f}{e.seconds_per_token * 1e6:>15.1f}"
         )
         rows.append(f"{degree:<8}{e.micro_batch_size:>6}  {choice:<30}{seconds}{this}")
     best = recommend_expert_parallel(**args, base_micro_batch=train.micro_batch_size)
