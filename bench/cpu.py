@@ -363,12 +363,14 @@ def measure_moe(quick: bool) -> list[dict]:
         tmp = Path(tmp)
         moe = tmp / "moe"
         render(moe, {"accelerator": "cpu", "model_type": "qwen3_moe", "package_name": "bench_pkg"})
-        ep1, ep2 = fastest(
-            repeats,
-            lambda i: moe_probe(moe, tmp / f"moe1-{i}", 1, steps)["step_s"],
-            lambda i: moe_probe(moe, tmp / f"moe2-{i}", 2, steps)["step_s"],
-        )
-        a2a = moe_probe(moe, tmp / "moe-bytes", 2, steps)
+        probes = {}  # (degree, repeat): the probe's figures
+
+        def step_seconds(degree: int, i: int) -> float:
+            probes[degree, i] = moe_probe(moe, tmp / f"moe{degree}-{i}", degree, steps)
+            return probes[degree, i]["step_s"]
+
+        ep1, ep2 = fastest(repeats, lambda i: step_seconds(1, i), lambda i: step_seconds(2, i))
+        a2a = probes[2, 0]  # the bytes a step sends do not vary between runs: routing is seeded
     sent, planned = a2a["a2a_sent"], a2a["planned_a2a_sent"]
     return [
         ratio_row(ROWS[11], ep2, ep1, f"{ep2 * 1e3:.0f} ms / {ep1 * 1e3:.0f} ms", MOE_STEP_GOAL),
