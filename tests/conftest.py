@@ -5,6 +5,7 @@ import subprocess
 import warnings
 from pathlib import Path
 
+import compile_once
 import copier
 import pytest
 import yaml
@@ -13,6 +14,9 @@ from jinja2 import Environment, FileSystemLoader, StrictUndefined
 from jinja2_ansible_filters import AnsibleCoreFiltersExtension
 
 TEMPLATE = Path(__file__).resolve().parents[1]
+
+
+compile_once.install()  # renders share compiled Jinja code (tests/compile_once.py)
 JINJA = Environment(
     loader=FileSystemLoader(TEMPLATE), undefined=StrictUndefined, extensions=[AnsibleCoreFiltersExtension]
 )

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import sys
 import unicodedata
 import warnings
@@ -96,15 +95,17 @@ class CopierSession:
     """One interactive `copier copy --vcs-ref HEAD <template> <dst>`."""
 
     def __init__(self, dst: Path, home: Path, *extra: str):
-        copier = shutil.which("copier", path=os.path.dirname(sys.executable)) or "copier"
+        # copier's command line, in a process whose renders share compiled Jinja code (tests/compile_once.py).
         env = {
             **os.environ,
+            "PYTHONPATH": str(Path(__file__).parent),
             "TERM": "xterm",
             "HOME": str(home),
             "COPIER_SETTINGS_PATH": str(home / "none.yml"),
             "PROMPT_TOOLKIT_NO_CPR": "1",
         }
-        self.child = pexpect.spawn(copier, ["copy", "--vcs-ref", "HEAD", *extra, str(TEMPLATE), str(dst)],
+        args = ["-m", "compile_once", "copy", "--vcs-ref", "HEAD", *extra, str(TEMPLATE), str(dst)]
+        self.child = pexpect.spawn(sys.executable, args,
                                    env=env, encoding="utf-8", dimensions=(50, COLUMNS), timeout=120)  # fmt: skip
         self.prefixes = question_prefixes()
         self.screen = ""  # everything printed so far, escape codes removed

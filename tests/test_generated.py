@@ -1,16 +1,23 @@
 """Run the generated repos' own tests on CPU ranks: smoke test, FSDP2 rules, plan, checkpoints, crashes.
 
-Each render runs tiers of its own suite chosen by marker (the generated pyproject.toml lists them), never by
-file or test name, and passes when nothing failed and the tests that matter ran: each selection names a few
-tests (by the end of their name) that must be among those that passed. So a test added to a generated file
-runs without a change here, and one that stops running is noticed.
+Each render's tests are chosen by marker (the generated pyproject.toml lists them), never by file or test name.
+A render's suite runs once, as the union of the selections it is in (one pytest process: its imports, fixtures
+and reference runs are paid once); the plugin in tests/plugin records each test's outcome and markers, and each
+selection passes when none of its tests failed and the tests that matter ran: it names a few (by the end of their
+id) that must be among those that passed. So a test added to a generated file runs without a change here, and
+one that stops running is noticed.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import yaml
@@ -33,6 +40,7 @@ from answers import (
     TRANSFORMERS_TENSOR_PARALLEL,
 )
 
+PLUGIN = Path(__file__).parent / "plugin"
 RUN_ON_CPU = {
     "sharding": {"full", "shard_grad_op", "hybrid", "no_shard"},
     "mixed_precision": {"bf16", "fp16", "fp32"},
@@ -53,20 +61,84 @@ def test_smoke_renders_cover_every_choice_that_runs_on_cpu(rendered):
         assert {a[question] for a in answers} == choices, question
 
 
-def run_generated(root, marks: str, *must_pass: str) -> str:
-    """The render's tests selected by marker expression `marks` (on CPU ranks): none may fail, and every name in
-    `must_pass` (the end of a test's id: `test_file.py::test_name`, a parameter list left off) must have passed."""
-    env = {**os.environ, "PYTHONPATH": str(root / "src")}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rA", "-m", marks]
-    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=1500)
-    out = proc.stdout
-    assert proc.returncode == 0, out[-6000:] + proc.stderr[-3000:]
-    # "PASSED tests/test_x.py::test_y[a parameter, maybe with spaces]": the test's id without its parameters.
-    lines = [line.removeprefix("PASSED ") for line in out.splitlines() if line.startswith("PASSED ")]
-    passed = {line.split("[")[0].strip() for line in lines}
-    missing = [name for name in must_pass if not any(test.endswith(name) for test in passed)]
-    assert not missing, f"did not pass (skipped, deselected or gone?): {missing}\n{out[-3000:]}"
-    return out
+def matches(marks: str, markers: list[str]) -> bool:
+    """Whether a test carrying `markers` is selected by the marker expression `marks` (pytest -m's rule: names
+    joined by and, or, not and parentheses, each true when the test carries that marker)."""
+    return eval(marks, {"__builtins__": {}}, defaultdict(bool, dict.fromkeys(markers, True)))
+
+
+@dataclass
+class Suite:
+    """One run of a render's generated suite: each test's outcome and markers (tests/plugin), and its output."""
+
+    tests: dict[str, dict]
+    output: str
+
+    def check(self, marks: str, *must_pass: str) -> dict[str, dict]:
+        """The tests of selection `marks`: none may have failed, and every name in `must_pass` (the end of a test's
+        id: `test_file.py::test_name`, a parameter list left off) must be among those that passed."""
+        selected = {test: o for test, o in self.tests.items() if matches(marks, o["markers"])}
+        failed = [f"{test}\n{o['report']}" for test, o in selected.items() if o["outcome"] == "failed"]
+        assert not failed, "\n\n".join(failed)[-12000:]
+        passed = {test.split("[")[0] for test, o in selected.items() if o["outcome"] == "passed"}
+        missing = [name for name in must_pass if not any(test.endswith(name) for test in passed)]
+        assert not missing, f"did not pass (skipped, deselected or gone?): {missing}\n{self.output[-3000:]}"
+        return selected
+
+
+def run_generated(root: Path, marks: str, outcomes: Path) -> Suite:
+    """The render's tests selected by marker expression `marks`, run once on CPU ranks."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "src"), str(PLUGIN)]),
+           "TEMPLATE_OUTCOMES": str(outcomes)}  # fmt: skip
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "template_outcomes", "-m", marks]
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=2400)
+    # 0: every test passed; 1: some failed, which the selections they belong to report. Else it did not run.
+    assert proc.returncode in (0, 1) and outcomes.is_file(), proc.stdout[-6000:] + proc.stderr[-3000:]
+    return Suite(json.loads(outcomes.read_text()), proc.stdout)
+
+
+def fast_tier(name: str) -> str:
+    """A SMOKE render's fast tier (what `pytest` runs), with the compiled run in the COMPILED renders and the
+    host-memory measurement in the HOST_MEMORY renders; the tests marked `once` in the first render only."""
+    extra = [mark for mark, names in (("compiled", COMPILED), ("host_memory", HOST_MEMORY)) if name in names]
+    marks = " or ".join(["not full", *extra])
+    return marks if name == SMOKE[0] else f"({marks}) and not once"
+
+
+def full_tier(name: str) -> str:
+    """A FULL render's full tier but the selections other renders run (OWN); the tests marked `once` in the
+    first render only."""
+    return f"full and not ({' or '.join(OWN if name == FULL[0] else [*OWN, 'once'])})"
+
+
+def selected_marks(item: pytest.Item) -> tuple[str, str] | None:
+    """The render and marker expression of one of this file's selection tests; None for any other test."""
+    params = getattr(item, "callspec", None) and item.callspec.params
+    if item.originalname == "test_generated_smoke_rules_and_plan":
+        return params["name"], fast_tier(params["name"])
+    if item.originalname == "test_generated_checkpoints_and_errors":
+        return params["name"], full_tier(params["name"])
+    if item.originalname == "test_generated_selection":
+        return params["name"], SELECTIONS[params["selection"]][0]
+    return None
+
+
+@pytest.fixture(scope="session")
+def suite(request, rendered, tmp_path_factory) -> Callable[[str], Suite]:
+    """suite(name): render `name`'s generated suite, run once with the union of the selections of it that this
+    session's tests check (all of them in a whole run; a CI job of the template's workflow checks some)."""
+    wanted: dict[str, list[str]] = defaultdict(list)
+    for name, marks in filter(None, map(selected_marks, request.session.items)):
+        wanted[name].append(f"({marks})")
+    runs: dict[str, Suite] = {}
+
+    def run(name: str) -> Suite:
+        if name not in runs:
+            outcomes = tmp_path_factory.mktemp(name) / "outcomes.json"
+            runs[name] = run_generated(rendered[name], " or ".join(wanted[name]), outcomes)
+        return runs[name]
+
+    return run
 
 
 SMOKE_TESTS = [
@@ -82,10 +154,7 @@ SMOKE_TESTS = [
 
 
 @pytest.mark.parametrize("name", SMOKE)
-def test_generated_smoke_rules_and_plan(rendered, name):
-    # The fast tier (what `pytest` runs), with the compiled run in the COMPILED renders and the host-memory
-    # measurement in the HOST_MEMORY renders.
-    extra = [mark for mark, names in (("compiled", COMPILED), ("host_memory", HOST_MEMORY)) if name in names]
+def test_generated_smoke_rules_and_plan(rendered, suite, name):
     must = [*SMOKE_TESTS]
     if name in COMPILED:
         must.append("test_smoke.py::test_compiled_run_trains_and_resumes")
@@ -96,7 +165,7 @@ def test_generated_smoke_rules_and_plan(rendered, name):
         must.append("test_generate.py::test_greedy_llama_with_llama31_rope_scaling_picks_transformers_tokens")
     if model_type == "hf_causal_lm":  # model.hf_config: one description of the model, fp32 whatever the file says
         must.append("test_hf_config.py::test_a_model_that_disagrees_with_hf_config_is_refused_and_the_fix_agrees")
-    run_generated(rendered[name], " or ".join(["not full", *extra]), *must)
+    suite(name).check(fast_tier(name), *must)
 
 
 FULL_TESTS = [
@@ -106,6 +175,7 @@ FULL_TESTS = [
     "test_uneven.py::test_min_stops_every_rank_at_the_shortest",
 ]
 ONCE_TESTS = [
+    "test_fsdp_rules.py::test_entry_point_reports_the_failing_rank",
     "test_checkpoint.py::test_zero_checkpoint_moves_across_world_sizes_and_modes",
     "test_data.py::test_a_token_file_run_resumes_exactly_on_one_rank_with_workers",
     "test_model_contract.py::test_a_new_decoder_starts_from_transformers_trains_resumes_and_exports",
@@ -113,21 +183,14 @@ ONCE_TESTS = [
 
 
 @pytest.mark.parametrize("name", FULL)
-def test_generated_checkpoints_and_errors(rendered, name):
-    # The full tier but the selections other renders run (OWN); the tests marked `once` in the first render only.
-    once = name == FULL[0]
-    run_generated(
-        rendered[name],
-        f"full and not ({' or '.join(OWN if once else [*OWN, 'once'])})",
-        *FULL_TESTS,
-        *(ONCE_TESTS if once else []),
-    )
+def test_generated_checkpoints_and_errors(suite, name):
+    suite(name).check(full_tier(name), *FULL_TESTS, *(ONCE_TESTS if name == FULL[0] else []))
 
 
 # The selections of the full tier that one render each runs (answers.py says which): the marker expression, the
 # renders, and the tests that must be among those that passed.
 SELECTIONS = {
-    "crash_recovery": ("faults", FAULTS, ["test_faults.py::test_killed_job_resumes_bit_identically"]),
+    "crash_recovery": ("faults", FAULTS, ["test_faults.py::test_killed_jobs_resume_bit_identically"]),
     "strategies_golden_losses": (
         "strategies",
         STRATEGIES,
@@ -215,7 +278,7 @@ SELECTIONS = {
     # The fast tier of a render whose debug model is the mixture of experts, and its `moe` tier: expert
     # parallelism against one rank, its checkpoints, transformers' weights and the plan's MoE terms.
     "mixture_of_experts": (
-        "not full or moe",
+        "(not full or moe) and not once",
         MOE,
         [
             *SMOKE_TESTS,
@@ -238,8 +301,8 @@ SELECTIONS = {
 @pytest.mark.parametrize(
     ("selection", "name"), [(selection, name) for selection, (_, names, _) in SELECTIONS.items() for name in names]
 )
-def test_generated_selection(rendered, selection, name):
+def test_generated_selection(suite, selection, name):
     marks, _, must_pass = SELECTIONS[selection]
-    out = run_generated(rendered[name], marks, *must_pass)
-    if selection == "strategies_golden_losses":
-        assert " skipped" not in out, out[-2000:]  # every strategy applies to the debug model
+    selected = suite(name).check(marks, *must_pass)
+    if selection == "strategies_golden_losses":  # every strategy applies to the debug model
+        assert all(o["outcome"] == "passed" for o in selected.values()), selected

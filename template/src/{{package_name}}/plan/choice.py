@@ -127,6 +127,26 @@ def tensor_parallel_degrees(
     return degrees
 
 
+def largest_fitting_micro_batch(
+    *, model: ModelConfig, train: TrainConfig, parallel: ParallelConfig, hardware: HardwareConfig,
+    finetune: FinetuneConfig, checkpoint: CheckpointConfig, start: int, ranks_per_batch: int,
+) -> tuple[int, tuple[str, str, bool]] | None:  # fmt: skip
+    """The largest halving of `start` sequences per GPU (twelve halvings at most) whose cheapest plan fits, with
+    that plan (AC mode, sharding, offload); None when none fits. `ranks_per_batch` GPUs read the same sequences
+    (a tensor- or context-parallel group), so the global batch is micro x world / ranks_per_batch."""
+    world = hardware.gpus_per_node * hardware.num_nodes
+    for i in range(12):
+        micro = start // 2**i
+        if micro < 1:
+            return None
+        batch = replace(train, micro_batch_size=micro, global_batch_size=micro * world // ranks_per_batch)
+        choice = cheapest(model=model, train=batch, parallel=parallel, hardware=hardware, finetune=finetune,
+                          checkpoint=checkpoint)  # fmt: skip
+        if choice:
+            return micro, choice
+    return None
+
+
 def estimate_tensor_parallel(
     *, model: ModelConfig, train: TrainConfig, parallel: ParallelConfig, hardware: HardwareConfig,
     finetune: FinetuneConfig, checkpoint: CheckpointConfig, degree: int, base_micro_batch: int,
@@ -139,19 +159,12 @@ def estimate_tensor_parallel(
     """
     hw, s, cp = hardware, model_shape(model), parallel.context_parallel  # cp: the groups read the same batches
     world, precision = hw.gpus_per_node * hw.num_nodes, parallel.mixed_precision
-    trial = replace(parallel, tensor_parallel=degree)
-    for i in range(12):
-        micro = base_micro_batch * degree // 2**i
-        if micro < 1:
-            return None
-        batch = replace(train, micro_batch_size=micro, global_batch_size=micro * world // (degree * cp))
-        choice = cheapest(model=model, train=batch, parallel=trial, hardware=hw, finetune=finetune,
-                          checkpoint=checkpoint)  # fmt: skip
-        if choice:
-            break
-    else:
+    fit = largest_fitting_micro_batch(model=model, train=train, parallel=replace(parallel, tensor_parallel=degree),
+                                      hardware=hw, finetune=finetune, checkpoint=checkpoint,
+                                      start=base_micro_batch * degree, ranks_per_batch=degree * cp)  # fmt: skip
+    if fit is None:
         return None
-    ac, sharding, offload = choice
+    micro, (ac, sharding, offload) = fit
     tokens = micro * train.seq_len // cp  # per tensor-parallel group and step
     compute = 6 * s.P * tokens / degree / (MFU * peak_flops(hardware=hw)) * (4 / 3 if ac == "full" else 1)
     sent = communication_bytes(s, sharding, precision, hw.gpus_per_node, hw.num_nodes, False, parallel.float8,
@@ -242,19 +255,12 @@ def estimate_expert_parallel(
     """The cheapest plan with expert-parallel `degree` at train's sequence length; None when no micro-batch fits."""
     hw, s = hardware, model_shape(model)
     world, precision = hw.gpus_per_node * hw.num_nodes, parallel.mixed_precision
-    trial = replace(parallel, expert_parallel=degree)
-    for i in range(12):
-        micro = base_micro_batch // 2**i
-        if micro < 1:
-            return None
-        batch = replace(train, micro_batch_size=micro, global_batch_size=micro * world)
-        choice = cheapest(model=model, train=batch, parallel=trial, hardware=hw, finetune=finetune,
-                          checkpoint=checkpoint)  # fmt: skip
-        if choice:
-            break
-    else:
+    fit = largest_fitting_micro_batch(model=model, train=train, parallel=replace(parallel, expert_parallel=degree),
+                                      hardware=hw, finetune=finetune, checkpoint=checkpoint,
+                                      start=base_micro_batch, ranks_per_batch=1)  # fmt: skip
+    if fit is None:
         return None
-    ac, sharding, offload = choice
+    micro, (ac, sharding, offload) = fit
     tokens = micro * train.seq_len  # per rank and step
     compute = 6 * s.active_params * tokens / (MFU * peak_flops(hardware=hw)) * (4 / 3 if ac == "full" else 1)
     sent = communication_bytes(s, sharding, precision, hw.gpus_per_node, hw.num_nodes, False, parallel.float8,
