@@ -7,6 +7,7 @@ from pathlib import Path
 
 import compile_once
 import copier
+import generated_suites
 import pytest
 import yaml
 from answers import MATRIX
@@ -68,6 +69,25 @@ def rendered(tmp_path_factory) -> dict[str, Path]:
     """Every answer set of the matrix, rendered once per session."""
     root = tmp_path_factory.mktemp("renders")
     return {name: render(root / name, answers) for name, answers in MATRIX.items()}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The tests that check a generated suite run last: the suites run in the background meanwhile."""
+    items.sort(key=lambda item: item.get_closest_marker("generated_suite") is not None)  # stable: order kept
+
+
+@pytest.fixture(scope="session", autouse=True)
+def suites(request, tmp_path_factory):
+    """The generated suites that this session's tests check (tests/generated_suites.py), started with the
+    session (all of them in a whole run; a CI job of the template's workflow checks some)."""
+    wanted = generated_suites.wanted(request.session.items)
+    if not wanted:
+        yield None
+        return
+    renders = request.getfixturevalue("rendered")
+    suites = generated_suites.Suites(renders, wanted, tmp_path_factory.mktemp("generated"))
+    yield suites
+    suites.close()
 
 
 def git(cwd: Path, *args: str) -> str:

@@ -1,23 +1,15 @@
 """Run the generated repos' own tests on CPU ranks: smoke test, FSDP2 rules, plan, checkpoints, crashes.
 
-Each render's tests are chosen by marker (the generated pyproject.toml lists them), never by file or test name.
-A render's suite runs once, as the union of the selections it is in (one pytest process: its imports, fixtures
-and reference runs are paid once); the plugin in tests/plugin records each test's outcome and markers, and each
-selection passes when none of its tests failed and the tests that matter ran: it names a few (by the end of their
-id) that must be among those that passed. So a test added to a generated file runs without a change here, and
-one that stops running is noticed.
+Each render's tests are chosen by marker (the generated pyproject.toml lists them), never by file or test name:
+a test here carries `generated_suite(render, marker expression)`. A render's suite runs once, in the background
+from the session's start, as the union of the selections it is in (tests/generated_suites.py: one pytest process,
+whose imports, fixtures and reference runs are paid once); the plugin in tests/plugin records each test's outcome
+and markers, and each selection passes when none of its tests failed and the tests that matter ran: it names a
+few (by the end of their id) that must be among those that passed. So a test added to a generated file runs
+without a change here, and one that stops running is noticed.
 """
 
 from __future__ import annotations
-
-import json
-import os
-import subprocess
-import sys
-from collections import defaultdict
-from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import yaml
@@ -40,7 +32,7 @@ from answers import (
     TRANSFORMERS_TENSOR_PARALLEL,
 )
 
-PLUGIN = Path(__file__).parent / "plugin"
+generated_suite = pytest.mark.generated_suite  # (render, marker expression): see tests/generated_suites.py
 RUN_ON_CPU = {
     "sharding": {"full", "shard_grad_op", "hybrid", "no_shard"},
     "mixed_precision": {"bf16", "fp16", "fp32"},
@@ -61,42 +53,6 @@ def test_smoke_renders_cover_every_choice_that_runs_on_cpu(rendered):
         assert {a[question] for a in answers} == choices, question
 
 
-def matches(marks: str, markers: list[str]) -> bool:
-    """Whether a test carrying `markers` is selected by the marker expression `marks` (pytest -m's rule: names
-    joined by and, or, not and parentheses, each true when the test carries that marker)."""
-    return eval(marks, {"__builtins__": {}}, defaultdict(bool, dict.fromkeys(markers, True)))
-
-
-@dataclass
-class Suite:
-    """One run of a render's generated suite: each test's outcome and markers (tests/plugin), and its output."""
-
-    tests: dict[str, dict]
-    output: str
-
-    def check(self, marks: str, *must_pass: str) -> dict[str, dict]:
-        """The tests of selection `marks`: none may have failed, and every name in `must_pass` (the end of a test's
-        id: `test_file.py::test_name`, a parameter list left off) must be among those that passed."""
-        selected = {test: o for test, o in self.tests.items() if matches(marks, o["markers"])}
-        failed = [f"{test}\n{o['report']}" for test, o in selected.items() if o["outcome"] == "failed"]
-        assert not failed, "\n\n".join(failed)[-12000:]
-        passed = {test.split("[")[0] for test, o in selected.items() if o["outcome"] == "passed"}
-        missing = [name for name in must_pass if not any(test.endswith(name) for test in passed)]
-        assert not missing, f"did not pass (skipped, deselected or gone?): {missing}\n{self.output[-3000:]}"
-        return selected
-
-
-def run_generated(root: Path, marks: str, outcomes: Path) -> Suite:
-    """The render's tests selected by marker expression `marks`, run once on CPU ranks."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "src"), str(PLUGIN)]),
-           "TEMPLATE_OUTCOMES": str(outcomes)}  # fmt: skip
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "template_outcomes", "-m", marks]
-    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=2400)
-    # 0: every test passed; 1: some failed, which the selections they belong to report. Else it did not run.
-    assert proc.returncode in (0, 1) and outcomes.is_file(), proc.stdout[-6000:] + proc.stderr[-3000:]
-    return Suite(json.loads(outcomes.read_text()), proc.stdout)
-
-
 def fast_tier(name: str) -> str:
     """A SMOKE render's fast tier (what `pytest` runs), with the compiled run in the COMPILED renders and the
     host-memory measurement in the HOST_MEMORY renders; the tests marked `once` in the first render only."""
@@ -111,36 +67,6 @@ def full_tier(name: str) -> str:
     return f"full and not ({' or '.join(OWN if name == FULL[0] else [*OWN, 'once'])})"
 
 
-def selected_marks(item: pytest.Item) -> tuple[str, str] | None:
-    """The render and marker expression of one of this file's selection tests; None for any other test."""
-    params = getattr(item, "callspec", None) and item.callspec.params
-    if item.originalname == "test_generated_smoke_rules_and_plan":
-        return params["name"], fast_tier(params["name"])
-    if item.originalname == "test_generated_checkpoints_and_errors":
-        return params["name"], full_tier(params["name"])
-    if item.originalname == "test_generated_selection":
-        return params["name"], SELECTIONS[params["selection"]][0]
-    return None
-
-
-@pytest.fixture(scope="session")
-def suite(request, rendered, tmp_path_factory) -> Callable[[str], Suite]:
-    """suite(name): render `name`'s generated suite, run once with the union of the selections of it that this
-    session's tests check (all of them in a whole run; a CI job of the template's workflow checks some)."""
-    wanted: dict[str, list[str]] = defaultdict(list)
-    for name, marks in filter(None, map(selected_marks, request.session.items)):
-        wanted[name].append(f"({marks})")
-    runs: dict[str, Suite] = {}
-
-    def run(name: str) -> Suite:
-        if name not in runs:
-            outcomes = tmp_path_factory.mktemp(name) / "outcomes.json"
-            runs[name] = run_generated(rendered[name], " or ".join(wanted[name]), outcomes)
-        return runs[name]
-
-    return run
-
-
 SMOKE_TESTS = [
     "test_smoke.py::test_loss_is_finite_and_falls",
     "test_smoke.py::test_world_size_one_matches_two",
@@ -153,8 +79,8 @@ SMOKE_TESTS = [
 ]
 
 
-@pytest.mark.parametrize("name", SMOKE)
-def test_generated_smoke_rules_and_plan(rendered, suite, name):
+@pytest.mark.parametrize("name", [pytest.param(name, marks=generated_suite(name, fast_tier(name))) for name in SMOKE])
+def test_generated_smoke_rules_and_plan(rendered, suites, name):
     must = [*SMOKE_TESTS]
     if name in COMPILED:
         must.append("test_smoke.py::test_compiled_run_trains_and_resumes")
@@ -165,7 +91,7 @@ def test_generated_smoke_rules_and_plan(rendered, suite, name):
         must.append("test_generate.py::test_greedy_llama_with_llama31_rope_scaling_picks_transformers_tokens")
     if model_type == "hf_causal_lm":  # model.hf_config: one description of the model, fp32 whatever the file says
         must.append("test_hf_config.py::test_a_model_that_disagrees_with_hf_config_is_refused_and_the_fix_agrees")
-    suite(name).check(fast_tier(name), *must)
+    suites[name].check(fast_tier(name), *must)
 
 
 FULL_TESTS = [
@@ -182,9 +108,9 @@ ONCE_TESTS = [
 ]
 
 
-@pytest.mark.parametrize("name", FULL)
-def test_generated_checkpoints_and_errors(suite, name):
-    suite(name).check(full_tier(name), *FULL_TESTS, *(ONCE_TESTS if name == FULL[0] else []))
+@pytest.mark.parametrize("name", [pytest.param(name, marks=generated_suite(name, full_tier(name))) for name in FULL])
+def test_generated_checkpoints_and_errors(suites, name):
+    suites[name].check(full_tier(name), *FULL_TESTS, *(ONCE_TESTS if name == FULL[0] else []))
 
 
 # The selections of the full tier that one render each runs (answers.py says which): the marker expression, the
@@ -299,10 +225,15 @@ SELECTIONS = {
 
 
 @pytest.mark.parametrize(
-    ("selection", "name"), [(selection, name) for selection, (_, names, _) in SELECTIONS.items() for name in names]
+    ("selection", "name"),
+    [
+        pytest.param(selection, name, marks=generated_suite(name, marks))
+        for selection, (marks, names, _) in SELECTIONS.items()
+        for name in names
+    ],
 )
-def test_generated_selection(suite, selection, name):
+def test_generated_selection(suites, selection, name):
     marks, _, must_pass = SELECTIONS[selection]
-    selected = suite(name).check(marks, *must_pass)
+    selected = suites[name].check(marks, *must_pass)
     if selection == "strategies_golden_losses":  # every strategy applies to the debug model
         assert all(o["outcome"] == "passed" for o in selected.values()), selected
