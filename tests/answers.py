@@ -154,10 +154,14 @@ SMOKE = ["default", "cpu_debug", "volta_pcie_fp16", "ada_offload", "cpu_ddp_bf16
 # the strategies table trains compiled blocks with inductor against the golden losses.
 COMPILED = ["default"]
 # FULL: everything else too: checkpoints (atomicity, damage, resharding, preemption, export),
-# data, uneven inputs, error messages, observability, hardware detection. The default render
-# is what `copier copy --defaults` gives a user, so its whole suite runs; the second adds what
-# changes with hybrid sharding, tcp rendezvous and async checkpoints (test_generated.ONCE_*).
-FULL = ["default", "ampere_two_nodes_ethernet"]
+# data, uneven inputs, error messages, observability, hardware detection. The first is the CPU render:
+# fp32 on CPU ranks, where its many launches cost least (bf16 and fp16 matmuls cost a CPU without
+# their instructions up to ten times fp32's); the second adds what changes with bf16, hybrid sharding,
+# tcp rendezvous and async checkpoints (test_generated.ONCE_TESTS are the first's alone).
+FULL = ["cpu_debug", "ampere_two_nodes_ethernet"]
+# ONCE: the render that runs the generated tests marked `once` (their subject does not change with the
+# render: each sets what it tests), in both tiers; the others leave them out.
+ONCE = "cpu_debug"
 # FAULTS: ranks killed at ten points under torchrun --max-restarts (needs env:// rendezvous).
 FAULTS = ["cpu_debug"]
 # STRATEGIES: every sharding mode at world sizes 1, 2 and 4 against one golden loss table.

@@ -24,6 +24,7 @@ from answers import (
     HOST_MEMORY,
     LORA,
     MOE,
+    ONCE,
     PRETRAINED,
     SFT,
     SMOKE,
@@ -55,16 +56,16 @@ def test_smoke_renders_cover_every_choice_that_runs_on_cpu(rendered):
 
 def fast_tier(name: str) -> str:
     """A SMOKE render's fast tier (what `pytest` runs), with the compiled run in the COMPILED renders and the
-    host-memory measurement in the HOST_MEMORY renders; the tests marked `once` in the first render only."""
+    host-memory measurement in the HOST_MEMORY renders; the tests marked `once` in the ONCE render only."""
     extra = [mark for mark, names in (("compiled", COMPILED), ("host_memory", HOST_MEMORY)) if name in names]
     marks = " or ".join(["not full", *extra])
-    return marks if name == SMOKE[0] else f"({marks}) and not once"
+    return marks if name == ONCE else f"({marks}) and not once"
 
 
 def full_tier(name: str) -> str:
     """A FULL render's full tier but the selections other renders run (OWN); the tests marked `once` in the
-    first render only."""
-    return f"full and not ({' or '.join(OWN if name == FULL[0] else [*OWN, 'once'])})"
+    ONCE render only."""
+    return f"full and not ({' or '.join(OWN if name == ONCE else [*OWN, 'once'])})"
 
 
 SMOKE_TESTS = [
@@ -110,7 +111,7 @@ ONCE_TESTS = [
 
 @pytest.mark.parametrize("name", [pytest.param(name, marks=generated_suite(name, full_tier(name))) for name in FULL])
 def test_generated_checkpoints_and_errors(suites, name):
-    suites[name].check(full_tier(name), *FULL_TESTS, *(ONCE_TESTS if name == FULL[0] else []))
+    suites[name].check(full_tier(name), *FULL_TESTS, *(ONCE_TESTS if name == ONCE else []))
 
 
 # The selections of the full tier that one render each runs (answers.py says which): the marker expression, the
