@@ -160,8 +160,9 @@ COMPILED = ["default"]
 # tcp rendezvous and async checkpoints (test_generated.ONCE_TESTS are the first's alone).
 FULL = ["cpu_debug", "ampere_two_nodes_ethernet"]
 # ONCE: the render that runs the generated tests marked `once` (their subject does not change with the
-# render: each sets what it tests), in both tiers; the others leave them out.
-ONCE = "cpu_debug"
+# render: each sets what it tests), in both tiers; the others leave them out. It must run both tiers.
+ONCE = FULL[0]
+assert ONCE in SMOKE, "the render that runs the tests marked once must run the fast tier too"
 # FAULTS: ranks killed at ten points under torchrun --max-restarts (needs env:// rendezvous).
 FAULTS = ["cpu_debug"]
 # STRATEGIES: every sharding mode at world sizes 1, 2 and 4 against one golden loss table.
