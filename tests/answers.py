@@ -13,12 +13,14 @@ MATRIX = {
     "default": {},
     # The laptop: CPU ranks with gloo, fp32, full sharding, no AC.
     "cpu_debug": {"accelerator": "cpu", "model_size": "debug"},
-    # Two Ampere nodes on Ethernet: hybrid sharding, tcp rendezvous, async checkpoints, every launcher.
+    # Two Ampere nodes on Ethernet: hybrid sharding, tcp rendezvous, async checkpoints, every launcher; fp32
+    # (the planner then checkpoints every block), as FULL below explains.
     "ampere_two_nodes_ethernet": {
         "gpu_arch": "ampere",
         "num_nodes": 2,
         "inter_node_link": "ethernet",
         "model_size": "1b",
+        "mixed_precision": "fp32",
         "sharding": "hybrid",
         "init_method": "tcp",
         "checkpoint_format": "dcp_async",
@@ -154,10 +156,13 @@ SMOKE = ["default", "cpu_debug", "volta_pcie_fp16", "ada_offload", "cpu_ddp_bf16
 # the strategies table trains compiled blocks with inductor against the golden losses.
 COMPILED = ["default"]
 # FULL: everything else too: checkpoints (atomicity, damage, resharding, preemption, export),
-# data, uneven inputs, error messages, observability, hardware detection. The first is the CPU render:
-# fp32 on CPU ranks, where its many launches cost least (bf16 and fp16 matmuls cost a CPU without
-# their instructions up to ten times fp32's); the second adds what changes with bf16, hybrid sharding,
-# tcp rendezvous and async checkpoints (test_generated.ONCE_TESTS are the first's alone).
+# data, uneven inputs, error messages, observability, hardware detection. The first is the CPU render;
+# the second adds what changes with hybrid sharding, tcp rendezvous and async checkpoints
+# (test_generated.ONCE_TESTS are the first's alone). Both compute in fp32: nothing the full tier checks
+# depends on the compute precision (checkpoints hold fp32 state under any mixed precision), and a CPU
+# without bf16 instructions multiplies bf16 or fp16 matrices about 30 times slower than fp32 ones (a
+# 256 x 128 by 128 x 384 matmul on one thread of the CI machine's AMD EPYC: 60 GFLOP/s in fp32, 1.8 in
+# bf16, 2.3 in fp16). bf16 and fp16 run in the SMOKE renders' fast tiers.
 FULL = ["cpu_debug", "ampere_two_nodes_ethernet"]
 # ONCE: the render that runs the generated tests marked `once` (their subject does not change with the
 # render: each sets what it tests), in both tiers; the others leave them out. It must run both tiers.

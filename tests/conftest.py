@@ -1,7 +1,9 @@
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -21,6 +23,12 @@ compile_once.install()  # renders share compiled Jinja code (tests/compile_once.
 JINJA = Environment(
     loader=FileSystemLoader(TEMPLATE), undefined=StrictUndefined, extensions=[AnsibleCoreFiltersExtension]
 )
+
+
+def tool(name: str) -> str | None:
+    """The command `name` from a wheel of the test group (installed beside this interpreter, whether or not its
+    environment is activated), else from PATH; None when neither has it."""
+    return shutil.which(name, path=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
 
 
 def hook(module: str, macro: str, *args):

