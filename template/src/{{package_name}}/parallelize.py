@@ -231,6 +231,11 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, plan: TensorParallelPlan) -> No
 
 def apply_compile(layers: nn.ModuleList, backend: str, *, fullgraph: bool = True) -> None:
     """Compile each block in place; whole-model compile would break at every FSDP hook."""
+    # Dynamo refuses a write to state outside a checkpointed region, because eager checkpointing would replay it
+    # when it recomputes the block. With `kernels` installed (a dependency of transformers 5.25), transformers wraps
+    # attention's forward in such a write: it sets a global that routes the rotary function, then restores it, so
+    # there is nothing to replay, and without this flag no checkpointed transformers block compiles.
+    torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     for block in layers:
         block.compile(backend=backend, fullgraph=fullgraph)
 
