@@ -103,6 +103,7 @@ FULL_TESTS = [
 ]
 ONCE_TESTS = [
     "test_fsdp_rules.py::test_entry_point_reports_the_failing_rank",
+    "test_fsdp_rules.py::test_a_ddp_job_ends_its_process_group",
     "test_checkpoint.py::test_zero_checkpoint_moves_across_world_sizes_and_modes",
     "test_data.py::test_a_token_file_run_resumes_exactly_on_one_rank_with_workers",
     "test_model_contract.py::test_a_new_decoder_starts_from_transformers_trains_resumes_and_exports",
