@@ -39,7 +39,7 @@ from .models import ModelConfig, ModelSpec, model_spec
 from .models.lora import apply_lora, lora_rank
 from .parallelize import DTYPES, parallelize
 from .step import StepContext, build_step_context
-from .strategy import Strategy, build_strategy
+from .strategy import Strategy, build_strategy, strategy_class
 from .train_state import TrainState
 from .weights import apply_initial_weights
 
@@ -126,13 +126,7 @@ def init_distributed(*, device: str, dist: DistConfig, parallel: ParallelConfig,
     backend = resolve_backend(dist.backend, on, cpu_collectives=parallel.cpu_offload)
     if on.type != "cpu":
         torch.accelerator.set_device_index(on.index)
-    if parallel.sharding == "no_shard" and parallel.zero_optimizer:
-        # ZeroRedundancyOptimizer's module takes dist.group.WORLD as a default argument when it is first imported.
-        # Imported once the group exists, it keeps the group past destroy_process_group, and gloo's threads are
-        # then stopped while the interpreter shuts down, where they can abort a job that has saved (exit -6, now
-        # and then). Imported before, it holds None. (Not at the top of strategy.py: the import scripts torch's
-        # functional optimizers, a quarter of a second that other runs need not pay.)
-        from torch.distributed.optim import ZeroRedundancyOptimizer  # noqa: F401
+    strategy_class(parallel).before_process_group()
     init_process_group(rdzv, on, backend, dist.init_method, dist.init_timeout_s)
     tp, cp = parallel.tensor_parallel, parallel.context_parallel
     shard_size = parallel.hsdp_shard_size or rdzv.local_world_size // (tp * cp)

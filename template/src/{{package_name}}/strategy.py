@@ -136,6 +136,11 @@ class Strategy(ABC):
     shards_parameters: ClassVar[bool]
     """Each rank holds only a shard of every parameter (FSDP); DDP holds all of them."""
 
+    @classmethod
+    def before_process_group(cls) -> None:
+        """What must happen before the process group exists (init_distributed calls it); nothing by default."""
+        return
+
     @abstractmethod
     def apply_weights_from_rank0(self, model: nn.Module, full_state: FullState, *, strict: bool = True) -> None:
         """Load the weights full_state() builds on rank 0 into the materialised model, on every rank.
@@ -285,6 +290,15 @@ class ZeroDDP(DDP):
     Each rank keeps AdamW state only for the parameters it owns, steps those and broadcasts them.
     """
 
+    @classmethod
+    def before_process_group(cls) -> None:
+        # ZeroRedundancyOptimizer's module takes dist.group.WORLD as a default argument when it is first imported.
+        # Imported once the group exists, it keeps the group past destroy_process_group, and gloo's threads are
+        # then stopped while the interpreter shuts down, where they can abort a job that has saved (exit -6, now
+        # and then). Imported before, it holds None. (Not at the top of this file: the import scripts torch's
+        # functional optimizers, a quarter of a second that the other strategies need not pay.)
+        from torch.distributed.optim import ZeroRedundancyOptimizer  # noqa: F401
+
     def build_optimizer(self, param_groups: list[dict], **hyper) -> torch.optim.Optimizer:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -305,12 +319,20 @@ class ZeroDDP(DDP):
         return [model, optimizer]  # DDP's gradient all-reduce, then ZeRO's parameter broadcast
 
 
-def build_strategy(parallel: ParallelConfig, mesh: DeviceMesh | None, device: torch.device) -> Strategy:
-    """The strategy parallel.sharding names: FSDP over `mesh`, or DDP (with ZeRO-1 if parallel.zero_optimizer)."""
+def strategy_class(parallel: ParallelConfig) -> type[Strategy]:
+    """The strategy parallel.sharding names: FSDP, or DDP (with ZeRO-1 if parallel.zero_optimizer)."""
     if parallel.sharding != "no_shard":
+        return FSDP
+    return ZeroDDP if parallel.zero_optimizer else DDP
+
+
+def build_strategy(parallel: ParallelConfig, mesh: DeviceMesh | None, device: torch.device) -> Strategy:
+    """strategy_class's strategy: FSDP over `mesh`, or DDP on `device`."""
+    chosen = strategy_class(parallel)
+    if chosen is FSDP:
         return FSDP(mesh, hybrid=parallel.sharding == "hybrid")
     autocast_dtype = DTYPES[parallel.mixed_precision] if parallel.mixed_precision != "fp32" else None
-    return (ZeroDDP if parallel.zero_optimizer else DDP)(device, autocast_dtype)
+    return chosen(device, autocast_dtype)
 
 
 def zero_state_dict(model: nn.Module, optimizer: ZeroRedundancyOptimizer, saved_optim_keys: set[str] | None) -> dict:
