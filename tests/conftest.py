@@ -17,6 +17,8 @@ from jinja2 import Environment, FileSystemLoader, StrictUndefined
 from jinja2_ansible_filters import AnsibleCoreFiltersExtension
 
 TEMPLATE = Path(__file__).resolve().parents[1]
+SUITES = pytest.StashKey["generated_suites.Suites"]()
+"""The session's generated suites, for the summary (pytest_terminal_summary)."""
 
 
 compile_once.install()  # renders share compiled Jinja code (tests/compile_once.py)
@@ -94,8 +96,17 @@ def suites(request, tmp_path_factory):
         return
     renders = request.getfixturevalue("rendered")
     suites = generated_suites.Suites(renders, wanted, tmp_path_factory.mktemp("generated"))
+    request.config.stash[SUITES] = suites
     yield suites
     suites.close()
+
+
+def pytest_terminal_summary(terminalreporter, config) -> None:
+    """How long each generated suite ran, and when: with two running at a time, they set the session's length."""
+    if (suites := config.stash.get(SUITES, None)) and (lines := suites.report()):
+        terminalreporter.section("generated suites")
+        for line in lines:
+            terminalreporter.write_line(line)
 
 
 def git(cwd: Path, *args: str) -> str:

@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections import defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -42,6 +43,9 @@ class Suite:
 
     tests: dict[str, dict]
     output: str
+    started: float
+    """Seconds after the session's suites were started."""
+    seconds: float
 
     def check(self, marks: str, *must_pass: str) -> dict[str, dict]:
         """The tests of selection `marks`: none may have failed, and every name in `must_pass` (the end of a test's
@@ -73,6 +77,7 @@ class Suites:
         self._procs: dict[str, subprocess.Popen] = {}
         self._lock = threading.Lock()
         self._closed = False
+        self._t0 = time.monotonic()
         self._pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="generated-suite")
         self._futures: dict[str, Future[Suite]] = {
             name: self._pool.submit(self._run, name, renders[name], marks, work / name)
@@ -91,6 +96,7 @@ class Suites:
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"{name}: the session ended before its suite started")
+            started = time.monotonic()
             # A session of its own: stopping the suite stops the ranks its tests launched too.
             proc = self._procs[name] = subprocess.Popen(
                 cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -105,7 +111,21 @@ class Suites:
             raise AssertionError(message) from None
         # 0: every test passed; 1: some failed, which the selections they belong to report. Else it did not run.
         assert proc.returncode in (0, 1) and outcomes.is_file(), f"{name}:\n{stdout[-6000:]}{stderr[-3000:]}"
-        return Suite(json.loads(outcomes.read_text()), stdout)
+        seconds = time.monotonic() - started
+        return Suite(json.loads(outcomes.read_text()), stdout, started - self._t0, seconds)
+
+    def report(self) -> list[str]:
+        """A line per suite that ended: when it started, its seconds, and its slowest tests (the budget's ledger)."""
+        lines = []
+        for name, future in self._futures.items():
+            if not future.done() or future.cancelled() or future.exception() is not None:
+                continue
+            suite = future.result()
+            slow = sorted(suite.tests.items(), key=lambda item: -item[1].get("seconds", 0.0))[:3]
+            tests = ", ".join(f"{test.split('::')[-1]} {o.get('seconds', 0.0):.0f} s" for test, o in slow)
+            count = len(suite.tests)
+            lines.append(f"{name}: {suite.seconds:.0f} s from +{suite.started:.0f} s ({count} tests; {tests})")
+        return lines
 
     def close(self) -> None:
         """Stop what is still running (a session cut short), and what it launched."""

@@ -17,6 +17,7 @@ wait for it in a collective, and fails the call with what that rank printed.
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing
 import os
 import pickle
@@ -74,11 +75,23 @@ class Ranks:
                     if done:
                         self.codes[rank] = os.waitstatus_to_exitcode(status)
             failed = stop_on_failure and any(code != 0 for code in self.codes.values())
-            if failed or time.monotonic() > deadline:
+            if not failed and time.monotonic() > deadline:
+                self._dump_stacks()
                 self._kill()
-                if not failed:
-                    print(f"ranks timed out after {timeout:.0f} s", file=sys.stderr)
+                return [self.codes[rank] for rank in range(len(self.pids))], (
+                    f"{self.output()}\nranks timed out after {timeout:.0f} s; above, where each rank's threads were"
+                )
+            if failed:
+                self._kill()
         return [self.codes[rank] for rank in range(len(self.pids))], self.output()
+
+    def _dump_stacks(self) -> None:
+        """Have each rank still running write its threads' Python stacks to its log, so that a hang says which
+        collective or lock it waits on (_rank registered SIGUSR2 for it: the trainer takes SIGUSR1 as preemption)."""
+        for rank, pid in enumerate(self.pids):
+            if rank not in self.codes:
+                os.kill(pid, signal.SIGUSR2)
+        time.sleep(2)
 
     def _kill(self) -> None:
         for rank, pid in enumerate(self.pids):
@@ -140,6 +153,7 @@ def _rank(fn: Callable, args: tuple, env: dict[str, str], log: Path, result: Con
         sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 - kept open until os._exit
         sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
         signal.signal(signal.SIGINT, signal.SIG_DFL)
+        faulthandler.register(signal.SIGUSR2, file=sys.stderr, all_threads=True)  # Ranks.wait, on a timeout
         os.environ.update(env)
         torch.set_num_threads(1)
         value, code = fn(*args), 0
