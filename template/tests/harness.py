@@ -48,6 +48,16 @@ def free_port() -> int:
             return port
 
 
+def ended_by(code: int) -> str:
+    """How a process with exit code `code` (os.waitstatus_to_exitcode's) ended, in words."""
+    if code >= 0:
+        return f"exited with code {code}"
+    name = signal.Signals(-code).name
+    if -code == signal.SIGKILL:  # nothing in the test sends it before a rank has failed: the kernel did
+        return f"was killed by {name}, from outside the test: most often the kernel's out-of-memory killer"
+    return f"was killed by {name}"
+
+
 @dataclass
 class Ranks:
     """Forked ranks of one call, started; `wait` collects them."""
@@ -59,9 +69,11 @@ class Ranks:
     codes: dict[int, int] = field(default_factory=dict)
 
     def wait(self, timeout: float = 600, *, stop_on_failure: bool = True) -> tuple[list[int], str]:
-        """Exit codes per rank and everything the ranks printed, once every rank has ended."""
+        """Exit codes per rank and everything the ranks printed, once every rank has ended. Unless every rank
+        returned, the output ends with what ended the call: the first rank that failed and how, or the timeout."""
         deadline = time.monotonic() + timeout
         open_results = {conn: rank for rank, conn in enumerate(self.results)}
+        note = ""
         while len(self.codes) < len(self.pids):
             for conn in wait(list(open_results), timeout=0.05):
                 rank = open_results.pop(conn)
@@ -74,16 +86,16 @@ class Ranks:
                     done, status = os.waitpid(pid, os.WNOHANG)
                     if done:
                         self.codes[rank] = os.waitstatus_to_exitcode(status)
-            failed = stop_on_failure and any(code != 0 for code in self.codes.values())
-            if not failed and time.monotonic() > deadline:
+            failed = [rank for rank, code in self.codes.items() if code != 0]
+            if stop_on_failure and failed:
+                note = f"\nrank {failed[0]} {ended_by(self.codes[failed[0]])}; the harness stopped {self._kill()}"
+            elif time.monotonic() > deadline:
                 self._dump_stacks()
-                self._kill()
-                return [self.codes[rank] for rank in range(len(self.pids))], (
-                    f"{self.output()}\nranks timed out after {timeout:.0f} s; above, where each rank's threads were"
+                note = (
+                    f"\nranks timed out after {timeout:.0f} s (above, where each rank's threads were); the "
+                    f"harness stopped {self._kill()}"
                 )
-            if failed:
-                self._kill()
-        return [self.codes[rank] for rank in range(len(self.pids))], self.output()
+        return [self.codes[rank] for rank in range(len(self.pids))], self.output() + note
 
     def _dump_stacks(self) -> None:
         """Have each rank still running write its threads' Python stacks to its log, so that a hang says which
@@ -93,11 +105,13 @@ class Ranks:
                 os.kill(pid, signal.SIGUSR2)
         time.sleep(2)
 
-    def _kill(self) -> None:
-        for rank, pid in enumerate(self.pids):
-            if rank not in self.codes:
-                os.kill(pid, signal.SIGKILL)
-                self.codes[rank] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    def _kill(self) -> str:
+        """SIGKILL every rank still running; which ranks those were, for the output."""
+        stopped = [rank for rank in range(len(self.pids)) if rank not in self.codes]
+        for rank in stopped:
+            os.kill(self.pids[rank], signal.SIGKILL)
+            self.codes[rank] = os.waitstatus_to_exitcode(os.waitpid(self.pids[rank], 0)[1])
+        return f"ranks {stopped} with SIGKILL" if stopped else "no other rank"
 
     def output(self) -> str:
         return "\n".join(log.read_text() for log in self.logs if log.exists())
