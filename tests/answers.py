@@ -168,7 +168,7 @@ FULL = ["cpu_debug", "ampere_two_nodes_ethernet"]
 # render: each sets what it tests), in both tiers; the others leave them out. It must run both tiers.
 ONCE = FULL[0]
 assert ONCE in SMOKE, "the render that runs the tests marked once must run the fast tier too"
-# FAULTS: ranks killed at ten points under torchrun --max-restarts (needs env:// rendezvous).
+# FAULTS: ranks killed at eight points under torchrun --max-restarts (needs env:// rendezvous).
 FAULTS = ["cpu_debug"]
 # STRATEGIES: every sharding mode at world sizes 1, 2 and 4 against one golden loss table.
 STRATEGIES = ["cpu_debug"]

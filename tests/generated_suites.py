@@ -115,16 +115,19 @@ class Suites:
         return Suite(json.loads(outcomes.read_text()), stdout, started - self._t0, seconds)
 
     def report(self) -> list[str]:
-        """A line per suite that ended: when it started, its seconds, and its slowest tests (the budget's ledger)."""
+        """A line per suite that ended: when it started, its seconds and CPU seconds, and the tests that cost the most
+        CPU (the budget's ledger: on two cores, CPU time is what a test takes from the others)."""
         lines = []
         for name, future in self._futures.items():
             if not future.done() or future.cancelled() or future.exception() is not None:
                 continue
             suite = future.result()
-            slow = sorted(suite.tests.items(), key=lambda item: -item[1].get("seconds", 0.0))[:3]
-            tests = ", ".join(f"{test.split('::')[-1]} {o.get('seconds', 0.0):.0f} s" for test, o in slow)
-            count = len(suite.tests)
-            lines.append(f"{name}: {suite.seconds:.0f} s from +{suite.started:.0f} s ({count} tests; {tests})")
+            cpu = sum(o.get("cpu_seconds", 0.0) for o in suite.tests.values())
+            slow = sorted(suite.tests.items(), key=lambda item: -item[1].get("cpu_seconds", 0.0))[:4]
+            tests = ", ".join(f"{test.split('::')[-1][:60]} {o['seconds']:.0f} s, {o['cpu_seconds']:.0f} CPU s"
+                              for test, o in slow)  # fmt: skip
+            lines.append(f"{name}: {suite.seconds:.0f} s from +{suite.started:.0f} s, {cpu:.0f} CPU s in "
+                         f"{len(suite.tests)} tests; the costliest: {tests}")  # fmt: skip
         return lines
 
     def close(self) -> None:

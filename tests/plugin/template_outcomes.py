@@ -9,15 +9,28 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 
 import pytest
 
 _tests: dict[str, dict] = {}
 
 
-@pytest.hookimpl(tryfirst=True)
+@pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item):
     _tests[item.nodeid] = {"markers": sorted({mark.name for mark in item.iter_markers()}), "outcome": "passed"}
+    before = _cpu_seconds()
+    try:
+        return (yield)
+    finally:
+        # This process's CPU time and that of the processes it waited for (forked ranks, torchrun and its ranks):
+        # on a small CI runner, what the test costs the others running beside it.
+        _tests[item.nodeid]["cpu_seconds"] = _cpu_seconds() - before
+
+
+def _cpu_seconds() -> float:
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 def pytest_runtest_logreport(report):
