@@ -11,19 +11,24 @@ run, restarts, signals, the launch scripts and their refusals), which keep launc
 
 Each rank writes its output to a file (returned with the results), runs one thread (as launched
 ranks do: OMP_NUM_THREADS=1), and leaves with os._exit: a forked copy of pytest must never return
-into pytest. An exception or a non-zero exit in one rank stops the others, which would otherwise
+into pytest. Ranks are forked only from a process that runs no other Python thread: a fork copies
+the locks other threads hold but not the threads, so a rank that needs one of them waits forever
+(now and then: only when the fork lands while it is held). conftest.py fails a test that leaves a
+thread running. An exception or a non-zero exit in one rank stops the others, which would otherwise
 wait for it in a collective, and fails the call with what that rank printed.
 """
 
 from __future__ import annotations
 
 import faulthandler
+import gc
 import multiprocessing
 import os
 import pickle
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -46,6 +51,18 @@ def free_port() -> int:
         if port not in _PORTS:
             _PORTS.add(port)
             return port
+
+
+def other_threads(wait: float = 0.0) -> list[str]:
+    """The names of the Python threads running in this process besides the calling one, after giving them up
+    to `wait` seconds to end (a Loader dropped, not closed, stops its thread once it is collected)."""
+    others = [t for t in threading.enumerate() if t is not threading.current_thread()]
+    if others and wait:
+        gc.collect()
+        deadline = time.monotonic() + wait
+        for thread in others:
+            thread.join(max(0.0, deadline - time.monotonic()))
+    return [t.name for t in others if t.is_alive()]
 
 
 def ended_by(code: int) -> str:
@@ -124,6 +141,11 @@ def start_ranks(
     """Fork `world_size` ranks that each run fn(*args) (see the module docstring); `wait()` on the result."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         raise RuntimeError("forked ranks cannot use CUDA once this process has: run GPU tests under torchrun")
+    if others := other_threads(wait=2):
+        raise RuntimeError(
+            f"cannot fork ranks while other threads run in this process ({others}): a rank would "
+            "inherit the locks they hold, without them; stop them (Loader.close(), Run.release())"
+        )
     log_dir.mkdir(parents=True, exist_ok=True)
     port, local = free_port(), local_world_size or world_size
     pids, results, logs = [], [], []

@@ -24,6 +24,7 @@ import itertools
 import logging
 import queue
 import threading
+import weakref
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -81,35 +82,17 @@ class Prefetch:
     """Builds the batches of `steps` in a thread, up to `depth` ahead of the loop that takes them (next()).
 
     The work is numpy and torch calls that release the GIL, so it overlaps the training step; an
-    error in the thread is raised by the next() that would have returned its batch.
+    error in the thread is raised by the next() that would have returned its batch. The thread ends
+    at close(), or once this object is dropped: it holds no reference to it.
     """
 
     def __init__(self, read, steps: Iterable[int], depth: int, pin_memory: bool):
         self.ready: queue.Queue = queue.Queue(depth)
         self.stopped, self.ended = threading.Event(), False
-        self.thread = threading.Thread(target=self._fill, args=(read, steps, pin_memory), daemon=True)
+        args = (self.ready, self.stopped, read, steps, pin_memory)
+        self.thread = threading.Thread(target=_fill, args=args, daemon=True)
         self.thread.start()
-
-    def _fill(self, read, steps: Iterable[int], pin_memory: bool) -> None:
-        try:
-            for step in steps:
-                batch = read(step)
-                if not self._put(tuple(t.pin_memory() for t in batch) if pin_memory else batch):
-                    return
-        except Exception as error:  # noqa: BLE001 - handed to the training loop, which raises it
-            self._put(error)
-            return
-        self._put(None)
-
-    def _put(self, item) -> bool:
-        """Queue `item` unless close() was called first."""
-        while not self.stopped.is_set():
-            try:
-                self.ready.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
+        weakref.finalize(self, self.stopped.set)
 
     def __iter__(self):
         return self
@@ -126,6 +109,29 @@ class Prefetch:
     def close(self) -> None:
         self.stopped.set()
         self.thread.join()
+
+
+def _fill(ready: queue.Queue, stopped: threading.Event, read, steps: Iterable[int], pin_memory: bool) -> None:
+    """Prefetch's thread: queue the batch of each step, then None, until `stopped` is set."""
+
+    def put(item) -> bool:
+        while not stopped.is_set():
+            try:
+                ready.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    try:
+        for step in steps:
+            batch = read(step)
+            if not put(tuple(t.pin_memory() for t in batch) if pin_memory else batch):
+                return
+    except Exception as error:  # noqa: BLE001 - handed to the training loop, which raises it
+        put(error)
+        return
+    put(None)
 
 
 class Loader:
