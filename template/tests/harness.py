@@ -31,7 +31,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
@@ -53,10 +53,11 @@ def free_port() -> int:
             return port
 
 
-def other_threads(wait: float = 0.0) -> list[str]:
-    """The names of the Python threads running in this process besides the calling one, after giving them up
-    to `wait` seconds to end (a Loader dropped, not closed, stops its thread once it is collected)."""
-    others = [t for t in threading.enumerate() if t is not threading.current_thread()]
+def other_threads(wait: float = 0.0, known: Collection[str] = ()) -> list[str]:
+    """The names of the Python threads running in this process besides the calling one and those named in
+    `known`, after giving them up to `wait` seconds to end (a Loader dropped, not closed, stops its thread
+    once it is collected)."""
+    others = [t for t in threading.enumerate() if t is not threading.current_thread() and t.name not in known]
     if others and wait:
         gc.collect()
         deadline = time.monotonic() + wait
