@@ -7,6 +7,7 @@ import logging
 import resource
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -21,9 +22,26 @@ from .presets import PEAK_TFLOPS
 logger = logging.getLogger(__name__)
 
 
+_WARNED: set[tuple[str, str]] = set()
+"""The warnings this process has given (logger, text): each is given once (init_logging's filter)."""
+
+
+def _first_time(record: logging.LogRecord) -> bool:
+    """A warning this process has given already is dropped: the launch-time checks and the build both resolve
+    the backend, for one, and would say twice that it falls back to gloo. INFO lines all pass."""
+    if record.levelno < logging.WARNING:
+        return True
+    key = (record.name, record.getMessage())
+    if key in _WARNED:
+        return False
+    _WARNED.add(key)
+    return True
+
+
 def init_logging(rank: int) -> None:
     """INFO from rank 0 only; warnings and errors from every rank, tagged with the rank, except the
-    warnings every rank would give alike (extra=config.JOB_WIDE), which rank 0 alone prints."""
+    warnings every rank would give alike (extra=config.JOB_WIDE), which rank 0 alone prints; each
+    warning once."""
     logging.basicConfig(
         level=logging.INFO if rank == 0 else logging.WARNING,
         format=f"%(asctime)s [rank{rank}] %(levelname)s %(name)s: %(message)s",
@@ -31,9 +49,14 @@ def init_logging(rank: int) -> None:
         stream=sys.stderr,
         force=True,
     )
-    if rank != 0:
-        for handler in logging.getLogger().handlers:
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(_first_time)
+        if rank != 0:
             handler.addFilter(lambda record: not getattr(record, "job_wide", False))
+    # torch warns, on every rank, that a selective-checkpointing policy under torch.compile must not meet an
+    # in-place op. The policy is this repo's (parallelize.apply_ac), and the generated tests check it: the
+    # compiled, checkpointed blocks give the eager run's gradient norm (tests/test_fsdp_rules.py).
+    logging.getLogger("torch._higher_order_ops.wrap").setLevel(logging.ERROR)
 
 
 def peak_tflops(device: torch.device, configured: float) -> float | None:
@@ -60,6 +83,44 @@ def flops_per_token(shape: ModelShape, model: torch.nn.Module, tokens: int) -> f
     return shape.flops_per_token(tokens) + 6 * added - 2 * frozen_matmul_params(model)
 
 
+@dataclass(frozen=True)
+class Outcome:
+    """What one job of a run did (train.train_loop), for the summary it ends with (summary)."""
+
+    start: int
+    """The step it started after (0, or the checkpoint it resumed)."""
+    step: int
+    """The step it reached."""
+    tokens: int
+    """Tokens it trained on, over every rank."""
+    seconds: float
+    loss: tuple[int, float] | None
+    """The last logged step and its loss (None: no step was logged)."""
+    val_loss: tuple[int, float] | None
+    """The last validation's step and loss (None: none ran)."""
+    stopped: str
+    """Why it stopped before train.steps (train.stop_after_steps, a preemption signal); "" when it did not."""
+
+
+def summary(outcome: Outcome, *, steps: int, checkpoint: Path | None, export: Path | None,
+            next_steps: list[tuple[str, str]]) -> str:  # fmt: skip
+    """The lines a run ends with: what it did, where its checkpoint and export are, and what to run next
+    (`next_steps`: (what, command) pairs, train.next_steps)."""
+    o = outcome
+    figures = f"steps {o.start + 1}-{o.step} of {steps}, {o.tokens:,} tokens in {o.seconds:.0f} s"
+    if o.step == o.start:
+        figures = f"no step taken (step {o.step} of {steps})"
+    scores = [f"{name} {value[1]:.4f} at step {value[0]}" for name, value in (("loss", o.loss),
+              ("validation loss", o.val_loss)) if value is not None]  # fmt: skip
+    head = f"stopped ({o.stopped})" if o.stopped else "done"
+    lines = [f"{head}: {figures}" + (f"; {', '.join(scores)}" if scores else "")]
+    lines += [f"  {name:<11} {path}" for name, path in (("checkpoint", checkpoint), ("export", export)) if path]
+    if next_steps:
+        lines.append("next:")
+        lines += [f"  {what:<11} {command}" for what, command in next_steps]
+    return "\n".join(lines)
+
+
 class MetricsLogger:
     """Logs on rank 0 every `log_every` steps: the console, metrics.jsonl, and TensorBoard or W&B.
 
@@ -69,7 +130,7 @@ class MetricsLogger:
     def __init__(
         self, *, metrics: MetricsConfig, run_dir: Path, run_config: dict, steps: int, enabled: bool, start_step: int,
         tokens_per_step: int, world_size: int, flops_per_token: float, peak_tflops: float | None,
-        device: torch.device, rank: int,
+        device: torch.device, rank: int, compiles: bool = False,
     ):  # fmt: skip
         m = metrics
         self.enabled, self.log_every, self.device = enabled, m.log_every, device
@@ -80,6 +141,16 @@ class MetricsLogger:
         self.last_time, self.last_step, self.data_seconds = time.perf_counter(), start_step, 0.0
         self.sink = _sink(m, run_dir, run_config) if enabled else None
         self.profiler = _Profiler(m.profile_steps, run_dir / "profile", rank, device, start_step)
+        self.start_step, self.started, self.compiles = start_step, time.perf_counter(), compiles
+        self.loss: tuple[int, float] | None = None
+        """The last logged step and its loss (the mean over the ranks), for the run's summary."""
+        self.val_loss: tuple[int, float] | None = None
+        if compiles:  # the first step sits silent for up to minutes otherwise
+            logger.info(
+                "step %d compiles the model's blocks (parallel.compile): a minute or more on a CPU, "
+                "less on a GPU; the steps after it reuse the compiled code",
+                start_step + 1,
+            )
 
     def should_log(self, step: int) -> bool:
         return step % self.log_every == 0
@@ -95,6 +166,7 @@ class MetricsLogger:
         """Record a step; call on every rank (only rank 0 writes). `extra`: more figures of the step (a mixture
         of experts' aux loss, expert imbalance and bias range: step.RouterBalance), logged under their names."""
         self.bar.update(step - self.bar.n)
+        self.loss = (step, loss)
         if not self.enabled:
             return
         now = time.perf_counter()
@@ -132,6 +204,7 @@ class MetricsLogger:
         if not self.enabled:
             return
         scalars = result.scalars()
+        self.val_loss = (step, scalars["loss"])
         record = {"step": step, **{f"val_{k}": v for k, v in scalars.items()}, "val_targets": result.targets,
                   "eval_time_s": result.seconds}  # fmt: skip
         self.file.write(json.dumps(record) + "\n")
@@ -147,6 +220,14 @@ class MetricsLogger:
 
     def after_step(self, step: int) -> None:
         self.profiler.after_step(step)
+        if self.compiles and step == self.start_step + 1:
+            logger.info("step %d took %.1f s, compiling included", step, time.perf_counter() - self.started)
+
+    def outcome(self, step: int, stopped: str) -> Outcome:
+        """What this job did, from its first step to `step`; `stopped`: why it ended before train.steps ("")."""
+        steps = step - self.start_step
+        return Outcome(self.start_step, step, steps * self.tokens_per_step, time.perf_counter() - self.started,
+                       self.loss, self.val_loss, stopped)  # fmt: skip
 
     def close(self) -> None:
         self.bar.close()

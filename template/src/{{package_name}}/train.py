@@ -31,11 +31,12 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from .checkpoint import FaultHook
-from .config import EXIT_USAGE, Config, UsageError, load_config, reports_errors
+from .config import EXIT_USAGE, Config, UsageError, config_file, load_config, reports_errors
 from .distributed import StopRequest, any_rank, mean_across_ranks, rendezvous_from_env, set_collective_timeout
 from .evaluate import EvalResult, evaluate
-from .metrics import MetricsLogger, flops_per_token, init_logging, peak_tflops
+from .metrics import MetricsLogger, Outcome, flops_per_token, init_logging, peak_tflops, summary
 from .preflight import check, check_launch
+from .presets import PLANNED_CONFIG
 from .run import Run, build_run
 from .step import train_step
 from .weights import export_weights
@@ -54,12 +55,13 @@ def main(argv: list[str] | None = None) -> None:
         rdzv = rendezvous_from_env(cfg.dist.init_method)
         init_logging(rdzv.rank)
         check(cfg, rdzv)
-    job(cfg)
+    job(cfg, config=config_file(argv))
 
 
-def job(cfg: Config, *, faults: FaultHook | None = None) -> None:
-    """build_run -> checkpoint_load -> train_loop -> export, and teardown however it ends. The inputs are
-    checked (preflight); `faults` is for tests that crash a rank mid-job (checkpoint.FaultHook)."""
+def job(cfg: Config, *, faults: FaultHook | None = None, config: Path | None = None) -> None:
+    """build_run -> checkpoint_load -> train_loop -> export -> the summary, and teardown however it ends. The
+    inputs are checked (preflight); `faults` is for tests that crash a rank mid-job (checkpoint.FaultHook);
+    `config` is the --config file, which the summary's next commands name."""
     run = None
     try:
         run = build_run(cfg, faults=faults)
@@ -67,12 +69,16 @@ def job(cfg: Config, *, faults: FaultHook | None = None) -> None:
         if cfg.eval.only:  # score the checkpoint and stop, writing nothing
             validate(run, step, None)
             return
-        step = train_loop(run, step)
-        if step == cfg.train.steps and cfg.checkpoint.export != "none":
-            export = {"spec": run.spec, "model_cfg": cfg.model, "checkpoint": cfg.checkpoint, "finetune": cfg.finetune}
-            export_weights(run.model, **export, out=Path(cfg.run_dir) / "export", is_main=run.env.is_main)
+        outcome = train_loop(run, step)
+        export = None
+        if outcome.step == cfg.train.steps and cfg.checkpoint.export != "none":
+            export = Path(cfg.run_dir) / "export"
+            kinds = {"spec": run.spec, "model_cfg": cfg.model, "checkpoint": cfg.checkpoint, "finetune": cfg.finetune}
+            export_weights(run.model, **kinds, out=export, is_main=run.env.is_main)
         run.checkpoints.close()
         any_rank(False, run.env.device)  # no rank tears down while another is still communicating
+        if run.env.is_main:
+            report(run, outcome, export=export, config=config)
     finally:
         teardown(run)
 
@@ -86,8 +92,9 @@ def checkpoint_load(run: Run) -> int:
     return run.state.step
 
 
-def train_loop(run: Run, start: int) -> int:
-    """Train from step `start` to train.steps, a preemption signal or train.stop_after_steps; return the step reached.
+def train_loop(run: Run, start: int) -> Outcome:
+    """Train from step `start` to train.steps, a preemption signal or train.stop_after_steps; return what it did
+    (the step reached, the last losses: metrics.Outcome).
 
     Every rank runs the same steps: per-rank data may run out unevenly, so the ranks agree on the
     shortest (data.uneven_inputs=min), or DDP ranks that ran out shadow the others' collectives
@@ -96,7 +103,7 @@ def train_loop(run: Run, start: int) -> int:
     every eval.interval steps and at the end.
     """
     cfg, env = run.cfg, run.env
-    metrics, stop, step = build_metrics(run, start), StopRequest(), start
+    metrics, stop, step, why = build_metrics(run, start), StopRequest(), start, ""
     pace = run.strategy.pace(run.model, run.optimizer, run.loader, data=cfg.data, steps=cfg.train.steps, start=start,
                              log_every=cfg.metrics.log_every, device=env.device)  # fmt: skip
     with logging_redirect_tqdm(), pace:
@@ -121,7 +128,7 @@ def train_loop(run: Run, start: int) -> int:
             if pace.together:  # a rank that has joined could take part in neither
                 validate_and_save(run, metrics, step, last=pace.last, final=job_done or step == pace.last)
             if job_done:
-                why = "preemption signal" if preempted else "train.stop_after_steps"
+                why = "a preemption signal" if preempted else "train.stop_after_steps"
                 logger.info("stopping after step %d (%s); resume with the same command", step, why)
                 break
     if not pace.together:  # every rank is back in step: where the longest-running rank stopped
@@ -129,7 +136,7 @@ def train_loop(run: Run, start: int) -> int:
         validate_and_save(run, metrics, step, last=step, final=True)
     metrics.close()
     run.loader.close()  # stop building batches ahead
-    return step
+    return metrics.outcome(step, why)
 
 
 def validate_and_save(run: Run, metrics: MetricsLogger, step: int, *, last: int, final: bool) -> None:
@@ -175,7 +182,31 @@ def build_metrics(run: Run, start_step: int) -> MetricsLogger:
         enabled=env.is_main, start_step=start_step, tokens_per_step=cfg.train.global_batch_size * tokens,
         world_size=env.world_size, flops_per_token=flops_per_token(shape, run.strategy.unwrap(run.model), tokens),
         peak_tflops=peak_tflops(env.device, cfg.metrics.peak_tflops), device=env.device, rank=env.rank,
+        compiles=cfg.parallel.compile,
     )  # fmt: skip
+
+
+def report(run: Run, outcome: Outcome, *, export: Path | None, config: Path | None) -> None:
+    """Rank 0 ends the job with a summary (metrics.summary): what it did, where its checkpoint and export are, and
+    what to run next: resume it if it stopped early, sample the trained model, train the model this repo was
+    planned for or on more devices. `config`: the --config file the job ran."""
+    pkg, cfg = __package__, run.cfg
+    saved = next(iter(run.checkpoints.scan()[0]), None)  # the newest complete checkpoint
+    with_config = f"--config {config} " if config else ""
+    steps = []
+    if outcome.stopped and saved is not None:
+        again = "the same command" + (" with --checkpoint.resume auto" if cfg.checkpoint.resume == "never" else "")
+        steps.append(("resume", f"{again}: it continues from {saved.name}"))
+    if run.spec.inputs == "tokens" and (export or saved):
+        prompt = "Hello" if cfg.data.tokenizer else " ".join(str(i) for i in range(4))
+        weights = export or saved
+        steps.append(("generate", f'python -m {pkg}.generate {with_config}--weights {weights} --prompt "{prompt}"'))
+    planned = Path(PLANNED_CONFIG)
+    if config is not None and config.resolve() != planned.resolve() and planned.is_file():
+        steps.append(("the model", f"bash scripts/run_local.sh {planned}   # as planned: PLAN.md"))
+    elif cfg.hardware.gpus_per_node > run.env.world_size:
+        steps.append(("more GPUs", f"NPROC={cfg.hardware.gpus_per_node} bash scripts/run_local.sh {config or ''}"))
+    print(summary(outcome, steps=cfg.train.steps, checkpoint=saved, export=export, next_steps=steps), flush=True)
 
 
 def teardown(run: Run | None) -> None:

@@ -18,7 +18,7 @@ The package: sections.py holds the sections (`[train]`, `[parallel]`, ...), tree
 and the rules between sections, load.py the reading, usage.py `UsageError` and how it is reported.
 """
 
-from .load import load_config
+from .load import config_file, load_config
 from .sections import (
     CheckpointConfig,
     DataConfig,
@@ -52,6 +52,7 @@ __all__ = [
     "Sharding",
     "TrainConfig",
     "UsageError",
+    "config_file",
     "failed",
     "load_config",
     "reports_errors",

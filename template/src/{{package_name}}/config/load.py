@@ -81,15 +81,25 @@ def _quiet_unless_reporting() -> contextlib.AbstractContextManager:
     return stack
 
 
-def load_config(argv: list[str] | None = None) -> Config:
-    """Parse `--config FILE` and the overrides that follow it."""
+def _pre_parser() -> argparse.ArgumentParser:
+    """The flags read before the config tree: the file, the modes, and the model whose fields the rest are."""
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config", type=Path, default=None, help="TOML file with the run's settings")
     pre.add_argument("--eval-only", action="store_true", help="evaluate a checkpoint once (eval.only)")
     pre.add_argument("--check-only", action="store_true", help="check the inputs and exit (dist.check_only)")
     # Read first: it decides which dataclass [model] and the --model.* flags are read into.
     pre.add_argument("--model.name", dest="model_name", default=None, help=argparse.SUPPRESS)
-    args, rest = pre.parse_known_args(argv)
+    return pre
+
+
+def config_file(argv: list[str] | None = None) -> Path | None:
+    """The `--config FILE` of a command line (None: none), for the commands a run suggests next."""
+    return _pre_parser().parse_known_args(argv)[0].config
+
+
+def load_config(argv: list[str] | None = None) -> Config:
+    """Parse `--config FILE` and the overrides that follow it."""
+    args, rest = _pre_parser().parse_known_args(argv)
     table = {}
     if args.config is not None:
         if not args.config.is_file():
