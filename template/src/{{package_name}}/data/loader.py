@@ -247,11 +247,9 @@ def check_data(
     if errors:
         raise UsageError("invalid config:\n  " + "\n  ".join(errors))
     path = data_path(data, rank)
-    if path is None:
-        return
-    if not path.exists():
+    if path is not None and not path.exists():
         raise UsageError(f"data.path={path}: no such {spec.reads}; point data.path at it")
-    if eval.enabled and eval.path and not Path(eval.path).exists():
+    if path is not None and eval.enabled and eval.path and not Path(eval.path).exists():
         raise UsageError(f"eval.path={eval.path}: no such held-out {spec.reads}; point eval.path at it")
     if spec.check is not None:
         spec.check(data=data, train=train, eval=eval, path=path)

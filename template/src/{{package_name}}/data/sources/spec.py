@@ -112,8 +112,9 @@ class SourceSpec:
     """What data.path (and eval.path) name, for messages, e.g. "image folder (<class>/<image> files)"; "" for
     generated data, which reads no file and holds out random streams of its own."""
     check: Callable[..., None] | None = None
-    """Launch-time checks of the files, `check(*, data, train, eval, path)` (`path`: this rank's data.path, which
-    exists, as does eval.path if set), raising UsageError (config.UsageError) naming the setting and the fix."""
+    """Launch-time checks of its settings and files, `check(*, data, train, eval, path)`: `path` is this rank's
+    data.path, which exists, as does eval.path if set (None where it reads no file); it raises UsageError
+    (config.UsageError) naming the setting and the fix."""
     unscored_targets: bool = False
     """Some targets may be IGNORE_INDEX: the loss is then the mean over the step's scored targets (step.py)."""
     rank_sharded: bool = False
