@@ -13,10 +13,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ...config import UsageError
+from ...config import DataConfig, EvalConfig, TrainConfig, UsageError
 from ..held_out import check_held_out_tokens, held_out_split, held_out_tail
 from ..order import Shuffle
 from .spec import PREPARE, Batch, IndexedSource, SourceSpec, map_file, rank_path
+
+TOKEN_FILE = f"token file ({PREPARE} writes one)"
+"""What data.path names (SourceSpec.reads), for the messages."""
 
 
 class MemmapTokens(IndexedSource):
@@ -32,7 +35,7 @@ class MemmapTokens(IndexedSource):
         tail: float = 0.0, held_out: bool = False,
     ):  # fmt: skip
         if not path.is_file():
-            raise UsageError(f"data.path={path}: no such token file ({PREPARE} writes one)")
+            raise UsageError(f"data.path={path}: no such {TOKEN_FILE}")
         begin, end = _bounds(path.stat().st_size // np.dtype(dtype).itemsize, tail, held_out)
         if part is not None:  # this rank's contiguous slice of one shared file
             index, count = part
@@ -76,7 +79,9 @@ def _bounds(length: int, tail: float, held_out: bool) -> tuple[int, int]:
     return (cut, length) if held_out else (0, cut)
 
 
-def token_windows(*, data, train, eval, rank: int, world_size: int, **_) -> MemmapTokens:
+def token_windows(
+    *, data: DataConfig, train: TrainConfig, eval: EvalConfig, rank: int, world_size: int, **_
+) -> MemmapTokens:
     """This rank's training windows: the file less its held-out tail, all of it to every rank, or with
     data.shard_by = "rank" the rank's own file (`{rank}` in data.path) or its slice of the one file."""
     per_rank_file = data.shard_by == "rank" and "{rank}" in data.path
@@ -84,13 +89,13 @@ def token_windows(*, data, train, eval, rank: int, world_size: int, **_) -> Memm
     return MemmapTokens(rank_path(data, rank), data.dtype, train.seq_len, train.seed, part, tail=held_out_tail(eval))
 
 
-def held_out_windows(*, data, train, eval, **_) -> MemmapTokens:
+def held_out_windows(*, data: DataConfig, train: TrainConfig, eval: EvalConfig, **_) -> MemmapTokens:
     """Validation's windows: eval.path's, or those of the tail of data.path that training leaves out."""
     path, tail, held_out = held_out_split(data=data, eval=eval)
     return MemmapTokens(path, data.dtype, train.seq_len, train.seed, tail=tail, held_out=held_out)
 
 
-def check_token_file(*, data, train, eval, path: Path) -> None:
+def check_token_file(*, data: DataConfig, train: TrainConfig, eval: EvalConfig, path: Path) -> None:
     """Refuse held-out data shorter than one window: eval.path's, or the tail of data.path eval.fraction keeps."""
     if not eval.enabled:
         return
@@ -109,7 +114,7 @@ def check_token_file(*, data, train, eval, path: Path) -> None:
 SPEC = SourceSpec(
     build=token_windows,
     held_out=held_out_windows,
-    reads=f"token file ({PREPARE} writes one)",
+    reads=TOKEN_FILE,
     check=check_token_file,
     rank_sharded=True,
 )

@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ...config import UsageError
+from ...config import DataConfig, EvalConfig, TrainConfig, UsageError
 from ..held_out import held_out_split, held_out_tail
-from .memmap import MemmapTokens, check_token_file
+from .memmap import TOKEN_FILE, MemmapTokens, check_token_file
 from .spec import IGNORE_INDEX, PREPARE, Batch, SourceSpec, map_file
 
 
@@ -65,18 +65,18 @@ def check_mask(path: Path, dtype: str, key: str = "") -> None:
         )
 
 
-def chat_windows(*, data, train, eval, **_) -> MaskedTokens:
+def chat_windows(*, data: DataConfig, train: TrainConfig, eval: EvalConfig, **_) -> MaskedTokens:
     """The training windows: data.path less its held-out tail."""
     return MaskedTokens(Path(data.path), data.dtype, train.seq_len, train.seed, tail=held_out_tail(eval))
 
 
-def held_out_chat_windows(*, data, train, eval, **_) -> MaskedTokens:
+def held_out_chat_windows(*, data: DataConfig, train: TrainConfig, eval: EvalConfig, **_) -> MaskedTokens:
     """Validation's windows: eval.path's (data prepare's val.bin), or the tail of data.path."""
     path, tail, held_out = held_out_split(data=data, eval=eval)
     return MaskedTokens(path, data.dtype, train.seq_len, train.seed, tail=tail, held_out=held_out)
 
 
-def check_chats(*, data, train, eval, path: Path) -> None:
+def check_chats(*, data: DataConfig, train: TrainConfig, eval: EvalConfig, path: Path) -> None:
     """Refuse a token file or held-out file without its mask, then what memmap refuses."""
     check_mask(path, data.dtype, "data.path")
     if eval.enabled and eval.path:
@@ -87,7 +87,7 @@ def check_chats(*, data, train, eval, path: Path) -> None:
 SPEC = SourceSpec(
     build=chat_windows,
     held_out=held_out_chat_windows,
-    reads=f"token file ({PREPARE} writes one)",
+    reads=TOKEN_FILE,
     check=check_chats,
     unscored_targets=True,
 )

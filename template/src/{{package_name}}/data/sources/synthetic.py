@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ...config import DataConfig, TrainConfig
 from ..order import seeded_generator
 from .spec import Batch, SourceSpec, generated_stream
 
@@ -29,7 +30,7 @@ class SyntheticTokens:
         return tokens[:, :-1], tokens[:, 1:]
 
 
-def synthetic_tokens(*, data, train, model, held_out: bool = False, **_) -> SyntheticTokens:
+def synthetic_tokens(*, data: DataConfig, train: TrainConfig, model, held_out: bool = False, **_) -> SyntheticTokens:
     """The chain of data.synthetic_branching successors over the model's vocabulary; validation's batches are
     random streams that training never draws."""
     return SyntheticTokens(model.vocab_size, train.seq_len, data.synthetic_branching, train.seed, held_out=held_out)
