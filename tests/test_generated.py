@@ -107,6 +107,8 @@ ONCE_TESTS = [
     "test_checkpoint.py::test_zero_checkpoint_moves_across_world_sizes_and_modes",
     "test_data.py::test_a_token_file_run_resumes_exactly_on_one_rank_with_workers",
     "test_model_contract.py::test_a_new_decoder_starts_from_transformers_trains_resumes_and_exports",
+    "test_source_contract.py::test_two_ranks_train_and_validate_on_the_new_source",
+    "test_source_contract.py::test_the_trainer_averages_over_the_targets_the_source_scores",
 ]
 
 

@@ -37,6 +37,7 @@ from torch import nn
 from .checkpoint import checkpoint_steps, verify
 from .config import EXIT_USAGE, CheckpointConfig, DataConfig, FinetuneConfig, UsageError, load_config
 from .convert import load_checkpoint
+from .data import source_spec
 from .distributed import resolve_device
 from .models import ModelConfig, ModelSpec, model_spec
 from .parallelize import DTYPES
@@ -190,7 +191,7 @@ class Tokens:
 
     def __init__(self, data: DataConfig, vocab_size: int):
         self.vocab_size, self.tok = vocab_size, None
-        if data.tokenizer and data.source != "synthetic":
+        if data.tokenizer and source_spec(data.source).reads:  # generated data is no tokenizer's ids
             self.tok = load_tokenizer(Path(data.tokenizer))
             if len(self.tok) > vocab_size:
                 raise UsageError(

@@ -53,7 +53,7 @@ def check(cfg: Config, rdzv: Rendezvous) -> None:
     )  # fmt: skip
     # A tensor- or context-parallel group shares its batches: the data splits over the groups.
     group = p.tensor_parallel * p.context_parallel
-    check_data(data=cfg.data, train=cfg.train, eval=cfg.eval, rank=rdzv.rank // group,
+    check_data(data=cfg.data, train=cfg.train, eval=cfg.eval, model=cfg.model, rank=rdzv.rank // group,
                world_size=rdzv.world_size // group)  # fmt: skip
     check_resume(cfg.checkpoint)
     check_resume_finetune(checkpoint=cfg.checkpoint, finetune=cfg.finetune, run_dir=run_dir)

@@ -23,7 +23,7 @@ from torch import nn
 
 from .checkpoint import CheckpointManager, FaultHook
 from .config import Config, DistConfig, FinetuneConfig, ParallelConfig, TrainConfig
-from .data import HeldOut, Loader, build_held_out, build_loader
+from .data import HeldOut, Loader, build_held_out, build_loader, source_spec
 from .distributed import (
     DistEnv,
     build_mesh,
@@ -110,8 +110,8 @@ def build_run(cfg: Config, *, env: DistEnv | None = None, faults: FaultHook | No
     ranks = {"rank": env.dp_rank, "world_size": env.dp_size, "device": env.device}
     loader, held_out = build_loader(**data, **ranks), build_held_out(**data, **ranks)
     step_context = build_step_context(
-        parallel=cfg.parallel, train=cfg.train, data_source=cfg.data.source, strategy=strategy, device=env.device,
-        cp_rank=env.cp_rank, model=strategy.unwrap(model),
+        parallel=cfg.parallel, train=cfg.train, unscored_targets=source_spec(cfg.data.source).unscored_targets,
+        strategy=strategy, device=env.device, cp_rank=env.cp_rank, model=strategy.unwrap(model),
     )  # fmt: skip
     state = TrainState(model, optimizer, scheduler, loader, env.rank, strategy)
     return Run(cfg, env, strategy, spec, model, optimizer, scheduler, loader, held_out, checkpoints, state,

@@ -90,11 +90,12 @@ class RouterBalance:
 
 
 def build_step_context(
-    *, parallel: ParallelConfig, train: TrainConfig, data_source: str, strategy: Strategy, device: torch.device,
+    *, parallel: ParallelConfig, train: TrainConfig, unscored_targets: bool, strategy: Strategy, device: torch.device,
     cp_rank: int = 0, model: nn.Module | None = None,
 ) -> StepContext:  # fmt: skip
-    """The step's settings; `cp_rank` is this rank's place in its context-parallel group, `model` the model
-    itself (strategy.unwrap), whose aux_loss makes it a mixture of experts."""
+    """The step's settings; `unscored_targets` says the data source may mark targets IGNORE_INDEX (its
+    SourceSpec's), `cp_rank` is this rank's place in its context-parallel group, `model` the model itself
+    (strategy.unwrap), whose aux_loss makes it a mixture of experts."""
     degree = parallel.context_parallel
     experts = RouterBalance(model, strategy.dp_group) if hasattr(model, "aux_loss") else None
     return StepContext(
@@ -103,7 +104,7 @@ def build_step_context(
         scaler=torch.amp.GradScaler(device.type) if parallel.mixed_precision == "fp16" else None,
         max_grad_norm=train.max_grad_norm,
         device=device,
-        scored_targets_only=data_source == "sft",
+        scored_targets_only=unscored_targets,
         sequence_split=SequenceSplit(cp_rank, degree) if degree > 1 else None,
         experts=experts,
     )

@@ -54,18 +54,16 @@ class Config:
         return self
 
     def cross_errors(self) -> list[str]:
-        """What two sub-configs cannot be together: the model with its data, LoRA, tensor, context and expert
-        parallelism and the other parallel settings, and Hugging Face export (each asks the model or its spec),
-        uneven inputs with the sharding, validation with the data."""
+        """What two sub-configs cannot be together: the model with LoRA, tensor, context and expert parallelism
+        and the other parallel settings, and Hugging Face export (each asks the model or its spec), uneven inputs
+        with the sharding, validation with resuming. What the data source needs of the rest is its own (data/
+        sources/, which config/ does not import): preflight.py checks it at launch (data.check_data)."""
         m, d, p = self.model, self.data, self.parallel
         try:
             spec = model_spec(m.name)
         except ValueError as error:
             return [str(error)]
         errors = m.errors(self.train.seq_len)
-        images = d.source in ("synthetic_images", "image_folder")
-        if images != (spec.inputs == "images"):
-            errors.append(f"data.source={d.source} does not feed model.name={m.name}, which takes {spec.inputs}")
         if not m.errors(self.train.seq_len):  # the shape of a model that cannot be built means nothing
             errors += lora_errors(finetune=self.finetune, shape=spec.shape(m), layout=spec.lora, model_name=m.name,
                                   float8=p.float8, tensor_parallel=p.tensor_parallel,
@@ -125,31 +123,11 @@ class Config:
         return errors
 
     def eval_errors(self) -> list[str]:
-        """What stops validation (eval.*) from working with this data; see data.build_held_out."""
-        e, d = self.eval, self.data
-        files = d.source in ("memmap", "sft", "image_folder")
-        errors = failed(
+        """What stops validation (eval.*) from working with the rest; what it needs of the data is the data
+        source's (data/held_out.py's held_out_errors)."""
+        return failed(
             (
-                not (e.path and not files),
-                f"eval.path is for data.source=memmap, sft or image_folder; {d.source} data holds out its own seed: "
-                "remove eval.path",
-            ),
-            (
-                not (e.only and self.checkpoint.resume == "never"),
+                not (self.eval.only and self.checkpoint.resume == "never"),
                 "--eval-only evaluates a checkpoint: set checkpoint.resume to auto or a checkpoint directory",
             ),
         )
-        if files and e.enabled and not e.path:
-            errors += failed(
-                (
-                    e.fraction != 0,
-                    "eval.fraction=0 holds nothing of data.path out for validation: set eval.path to held-out "
-                    "data, eval.fraction to a share such as 0.05, or eval.interval=0",
-                ),
-                (
-                    not (d.shard_by == "rank" and "{rank}" in d.path),
-                    "per-rank data files (data.path with {rank}) need one held-out file for every rank to "
-                    "evaluate: set eval.path, or eval.interval=0",
-                ),
-            )
-        return errors

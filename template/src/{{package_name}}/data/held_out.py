@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import DataConfig, EvalConfig, TrainConfig, UsageError
+from ..config import DataConfig, EvalConfig, TrainConfig, UsageError, failed
 from .order import Shuffle
 
 
@@ -26,6 +26,38 @@ def held_out_tail(eval: EvalConfig) -> float:
     checkpoint later (--eval-only), never scores data the model has trained on.
     """
     return 0.0 if eval.path else eval.fraction
+
+
+def held_out_split(*, data: DataConfig, eval: EvalConfig) -> tuple[Path, float, bool]:
+    """Where a file source's validation data is, as (path, tail, held_out): all of eval.path, (eval.path, 0,
+    False); or without it the tail of data.path that training leaves out, (data.path, eval.fraction, True)."""
+    return Path(eval.path or data.path), held_out_tail(eval), not eval.path
+
+
+def held_out_errors(*, data: DataConfig, eval: EvalConfig, reads_files: bool, file_sources: str) -> list[str]:
+    """What stops validation from holding out data of data.source (`reads_files`: it reads data.path; the
+    sources that do, for the message): eval.path for generated data, which holds out random streams of its own;
+    nothing held out of data.path; per-rank files without a held-out file."""
+    errors = failed(
+        (
+            not (eval.path and not reads_files),
+            f"eval.path is for data.source={file_sources}; {data.source} data holds out its own seed: remove eval.path",
+        ),
+    )
+    if reads_files and eval.enabled and not eval.path:
+        errors += failed(
+            (
+                eval.fraction != 0,
+                "eval.fraction=0 holds nothing of data.path out for validation: set eval.path to held-out "
+                "data, eval.fraction to a share such as 0.05, or eval.interval=0",
+            ),
+            (
+                not (data.shard_by == "rank" and "{rank}" in data.path),
+                "per-rank data files (data.path with {rank}) need one held-out file for every rank to "
+                "evaluate: set eval.path, or eval.interval=0",
+            ),
+        )
+    return errors
 
 
 def check_held_out_tokens(*, data: DataConfig, train: TrainConfig, eval: EvalConfig) -> None:

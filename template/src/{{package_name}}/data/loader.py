@@ -15,7 +15,7 @@ With `data.shard_by = "rank"` each rank reads its own part (a file per rank, `{r
 `data.uneven_inputs` decides what happens then (see `agree_on_steps` and train.py).
 
 build_loader builds the training batches and build_held_out validation's, alike but from the data
-that training leaves out (held_out.py).
+that training leaves out, each from the samples of the source data.source names (sources/).
 """
 
 from __future__ import annotations
@@ -29,26 +29,14 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
 from ..config import JOB_WIDE, DataConfig, EvalConfig, TrainConfig, UsageError
-from .held_out import check_held_out_tokens, held_out_tail
 from .order import ORDER, ORDERS
-from .sources import (
-    TOKEN_FILES,
-    Batch,
-    ImageFolder,
-    IndexedSource,
-    MaskedTokens,
-    MemmapTokens,
-    SyntheticImages,
-    SyntheticTokens,
-    check_mask,
-    image_files,
-)
+from .sources import Batch, IndexedSource, source_errors, source_spec
+from .sources.spec import rank_path
 
 if TYPE_CHECKING:
     from ..models import ModelConfig
@@ -161,7 +149,7 @@ class Loader:
 
     def local_steps(self) -> int | None:
         """Steps of data this rank has (None when the data repeats forever)."""
-        return self.source.windows // self.per_rank if self.rank_sharded else None
+        return len(self.source) // self.per_rank if self.rank_sharded else None
 
     def next_batches(self) -> list[Batch]:
         """(inputs, targets) per micro-batch of the next step; StopIteration when per-rank data ran out."""
@@ -244,68 +232,37 @@ def agree_on_steps(loader: Loader, steps: int, device: torch.device) -> int:
 
 def data_path(data: DataConfig, rank: int) -> Path | None:
     """The file or folder this rank reads (a file per rank when data.path has `{rank}`); None for generated data."""
-    if data.source not in (*TOKEN_FILES, "image_folder"):
-        return None
-    return Path(data.path.format(rank=rank) if data.shard_by == "rank" and "{rank}" in data.path else data.path)
+    return rank_path(data, rank) if source_spec(data.source).reads else None
 
 
-def check_data(*, data: DataConfig, train: TrainConfig, eval: EvalConfig, rank: int, world_size: int) -> None:
-    """Refuse, before the process group starts, a data path that does not exist or a batch that does not split."""
+def check_data(
+    *, data: DataConfig, train: TrainConfig, eval: EvalConfig, model: ModelConfig, rank: int, world_size: int
+) -> None:
+    """Refuse, before the process group starts, a data source this repo lacks or settings it cannot read with
+    (sources.source_errors), a data path that does not exist, files its source refuses (SourceSpec.check), or a
+    batch that does not split."""
     grad_accum_steps(train.global_batch_size, train.micro_batch_size, world_size)
+    spec = source_spec(data.source)
+    errors = source_errors(data=data, eval=eval, model=model)
+    if errors:
+        raise UsageError("invalid config:\n  " + "\n  ".join(errors))
     path = data_path(data, rank)
-    if path is None:
-        return
-    d = data
-    if d.source in TOKEN_FILES:
-        what = f"token file (python -m {__package__} prepare writes one)"
-    else:
-        what = "image folder (<class>/<image> files)"
-    if not path.exists():
-        raise UsageError(f"data.path={path}: no such {what}; point data.path at it")
-    if d.source == "sft":
-        check_mask(path, d.dtype, "data.path")
-    e = eval
-    if e.enabled and e.path:
-        if not Path(e.path).exists():
-            raise UsageError(f"eval.path={e.path}: no such held-out {what}; point eval.path at it")
-        if d.source == "sft":
-            check_mask(Path(e.path), d.dtype, "eval.path")
-        if d.source in TOKEN_FILES:
-            check_held_out_tokens(data=data, train=train, eval=eval)
-        if d.source == "image_folder" and list(image_files(Path(e.path))) != list(image_files(path)):
-            raise UsageError(
-                f"eval.path={e.path} has classes {list(image_files(Path(e.path)))}, data.path={path} has "
-                f"{list(image_files(path))}: the labels would not match; give both the same class folders"
-            )
-    elif e.enabled and d.source in TOKEN_FILES and path.is_file():
-        tokens = path.stat().st_size // np.dtype(d.dtype).itemsize
-        if int(tokens * e.fraction) < train.seq_len + 1:
-            raise UsageError(
-                f"eval.fraction={e.fraction} of data.path={path} ({tokens} tokens) holds out fewer than one sequence "
-                f"of {train.seq_len + 1} tokens: raise eval.fraction, or set eval.path to a held-out token file"
-            )
+    if path is not None and not path.exists():
+        raise UsageError(f"data.path={path}: no such {spec.reads}; point data.path at it")
+    if path is not None and eval.enabled and eval.path and not Path(eval.path).exists():
+        raise UsageError(f"eval.path={eval.path}: no such held-out {spec.reads}; point eval.path at it")
+    if spec.check is not None:
+        spec.check(data=data, train=train, eval=eval, path=path)
 
 
 def build_loader(
     *, data: DataConfig, train: TrainConfig, eval: EvalConfig, model: ModelConfig, rank: int, world_size: int,
     device: torch.device,
 ) -> Loader:  # fmt: skip
-    """This rank's training batches, less the share of data.path that validation keeps (held_out_tail)."""
-    d, t, m = data, train, model
-    path = data_path(d, rank)
-    if d.source == "memmap":
-        per_rank_file = d.shard_by == "rank" and "{rank}" in d.path
-        part = (rank, world_size) if d.shard_by == "rank" and not per_rank_file else None
-        source = MemmapTokens(path, d.dtype, t.seq_len, t.seed, part, tail=held_out_tail(eval))
-    elif d.source == "sft":
-        source = MaskedTokens(path, d.dtype, t.seq_len, t.seed, tail=held_out_tail(eval))
-    elif d.source == "synthetic_images":
-        source = SyntheticImages(m.image_size, m.channels, m.num_classes, t.seed)
-    elif d.source == "image_folder":
-        source = ImageFolder(path, m.image_size, m.channels, t.seed, tail=held_out_tail(eval))
-    else:
-        source = SyntheticTokens(m.vocab_size, t.seq_len, d.synthetic_branching, t.seed)
-    return Loader(source, train=t, data=d, rank=rank, world_size=world_size, device=device)
+    """This rank's training batches, from data.source's samples less those validation keeps (its held_out)."""
+    sections = {"data": data, "train": train, "eval": eval, "model": model}
+    source = source_spec(data.source).build(**sections, rank=rank, world_size=world_size)
+    return Loader(source, train=train, data=data, rank=rank, world_size=world_size, device=device)
 
 
 class HeldOut:
@@ -337,21 +294,10 @@ def build_held_out(
     device: torch.device,
 ) -> HeldOut | None:  # fmt: skip
     """The held-out batches validation reads (None when it is off): data that build_loader never returns."""
-    d, t, m, e = data, train, model, eval
+    t, e = train, eval
     if not e.enabled:
         return None
-    root = Path(e.path or d.path)
-    tail, held_out = held_out_tail(e), not e.path  # without eval.path: the tail that training leaves out
-    if d.source == "memmap":
-        source = MemmapTokens(root, d.dtype, t.seq_len, t.seed, tail=tail, held_out=held_out)
-    elif d.source == "sft":
-        source = MaskedTokens(root, d.dtype, t.seq_len, t.seed, tail=tail, held_out=held_out)
-    elif d.source == "synthetic_images":
-        source = SyntheticImages(m.image_size, m.channels, m.num_classes, t.seed, held_out=True)
-    elif d.source == "image_folder":
-        source = ImageFolder(root, m.image_size, m.channels, t.seed, tail=tail, held_out=held_out)
-    else:
-        source = SyntheticTokens(m.vocab_size, t.seq_len, d.synthetic_branching, t.seed, held_out=True)
+    source = source_spec(data.source).held_out(data=data, train=train, eval=eval, model=model)
     wanted = e.batches * t.global_batch_size
     if hasattr(source, "__len__") and len(source) < wanted:
         logger.warning(
@@ -359,5 +305,5 @@ def build_held_out(
             "more than once (hold out more data, or lower eval.batches)", e.batches, t.global_batch_size, wanted,
             len(source), extra=JOB_WIDE,
         )  # fmt: skip
-    loader = Loader(source, train=t, data=d, rank=rank, world_size=world_size, device=device, rank_sharded=False)
+    loader = Loader(source, train=t, data=data, rank=rank, world_size=world_size, device=device, rank_sharded=False)
     return HeldOut(loader, e.batches, e.interval)

@@ -2,7 +2,7 @@
 
 Each chat is rendered with the tokenizer's own chat template; the chats are packed in file order
 into a token file for `data.source = "sft"`, and a held-out share of them into val.bin beside it
-(for `eval.path`), each with its mask (sources.mask_path). The mask scores the assistant's turns
+(for `eval.path`), each with its mask (sources/sft.py's mask_path). The mask scores the assistant's turns
 only (encode_chat says which tokens those are), which MaskedTokens turns into IGNORE_INDEX targets.
 """
 
@@ -16,7 +16,7 @@ import numpy as np
 from ..config import TrainConfig, UsageError
 from .corpus import Outputs, load_tokenizer, token_dtype
 from .held_out import check_held_out_window, held_out_count
-from .sources import mask_path
+from .sources.sft import mask_path
 
 SEQ_LEN = TrainConfig.seq_len
 """train.seq_len's default (the debug config's): the window `data prepare --jsonl` holds out one of by default."""
