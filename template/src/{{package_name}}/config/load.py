@@ -101,9 +101,8 @@ TRAIN = f"python -m {__package__.rpartition('.')[0]}.train"
 """The trainer's command, as its help and tyro's refusals name it: `TRAIN --help` lists every flag."""
 
 
-def load_config(argv: list[str] | None = None, *, prog: str = TRAIN) -> Config:
-    """Parse `--config FILE` and the overrides that follow it. `prog`: the command that ran, as help and tyro's
-    refusals of the command line name it (`prog --help` lists the flags)."""
+def load_config(argv: list[str] | None = None) -> Config:
+    """Parse `--config FILE` and the overrides that follow it."""
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config", type=Path, default=None, help="TOML file with the run's settings")
     pre.add_argument("--eval-only", action="store_true", help="evaluate a checkpoint once (eval.only)")
@@ -126,7 +125,7 @@ def load_config(argv: list[str] | None = None, *, prog: str = TRAIN) -> Config:
     with _quiet_unless_reporting():  # tyro prints its own refusals (and --help), then exits with EXIT_USAGE
         cfg = tyro.cli(
             Config,
-            prog=prog,
+            prog=TRAIN,  # not the file: run as a script, its relative imports fail
             default=base,
             args=rest,
             description="Train with FSDP2. --config FILE loads a TOML file; flags below override it.",
