@@ -77,6 +77,8 @@ SMOKE_TESTS = [
     "test_fsdp_rules.py::test_grad_norm_is_the_global_norm_as_a_float",
     "test_plan.py::test_sharded_state_bytes_match_the_plan",
     "test_plan.py::test_activation_bytes_per_block_match_what_the_model_declares",
+    "test_wrong_inputs.py::test_a_checkpoint_of_another_model_is_refused_naming_both_and_the_fix_works",
+    "test_wrong_inputs.py::test_a_misspelt_flags_box_names_a_help_command_and_a_flag_that_work",
 ]
 
 

@@ -402,6 +402,15 @@ def test_a_refusal_names_every_answer_its_fix_changes_and_following_it_renders(t
     assert recorded["micro_batch_size"] == 1 and recorded["model_size"] == "8b"  # the answers it did not name stay
 
 
+def test_the_readmes_volta_example_run_as_printed_answers_with_the_refusal_it_quotes(tmp_path):
+    text = " ".join((TEMPLATE / "README.md").read_text().split())
+    example = re.search(r"`copier copy --defaults ((?:-d \w+=\w+ )+)\S+ my-run`, is refused with `([^`]+)`", text)
+    assert example, "README.md: the Volta example's command and the refusal it quotes"
+    answers = {key: yaml.safe_load(value) for key, value in re.findall(r"-d (\w+)=(\w+)", example.group(1))}
+    assert answers["gpu_arch"] == "volta"
+    assert refusal_of(tmp_path, answers).endswith(f": {example.group(2)}")
+
+
 @pytest.mark.parametrize(
     "case",
     ["sequence_too_long_even_split", "context_parallel_beyond_node", "context_parallel_splits_heads",

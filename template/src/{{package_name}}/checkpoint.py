@@ -6,7 +6,8 @@ Layout of a run directory:
     checkpoints/step_00000030.partial-*/  being written (or left by a crash): never loaded
 
 A checkpoint is written into a `.partial-*` directory; once every rank's shards are on disk,
-rank 0 writes COMPLETE.json (with the size of every file) and renames the directory. A
+rank 0 writes COMPLETE.json (with the size of every file, and the [model] table the run was configured
+with, which model_record.py reads) and renames the directory. A
 checkpoint is trusted only if it verifies: the marker is there and every file has its recorded
 size. A save whose step already holds a damaged checkpoint writes a new one the same way, then
 swaps it in (the damaged one is moved aside first, and deleted after the swap); one that
@@ -16,6 +17,7 @@ so a crash at any moment leaves the last good checkpoint in place.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -29,11 +31,14 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from .config import JOB_WIDE, CheckpointConfig, FinetuneConfig, UsageError
+from .models import ModelConfig
 from .train_state import CHECKPOINT_KEY, TrainState, WeightsOnlyLoadPlanner
 
 logger = logging.getLogger(__name__)
 
 MARKER = "COMPLETE.json"
+MODEL = "model"
+"""The key of COMPLETE.json that records the [model] table of the run that saved it (recorded_model)."""
 
 
 FaultHook = Callable[[str, int | None], None]
@@ -53,14 +58,15 @@ run.build_run to crash a rank there (tests/fault_train.py), a training run passe
 class CheckpointManager:
     """Saves, prunes and finds the checkpoints under `root`; see the module docstring.
 
-    `faults` lets tests crash the process at each point of a save, a deletion or a load (tests/fault_train.py).
+    `model`: the [model] table every checkpoint records (COMPLETE.json); `faults` lets tests crash the process at
+    each point of a save, a deletion or a load (tests/fault_train.py).
     """
 
     def __init__(
         self, cfg: CheckpointConfig, root: Path, rank: int, world_size: int, tensor_parallel: int = 1, *,
-        context_parallel: int = 1, faults: FaultHook | None = None,
+        context_parallel: int = 1, model: ModelConfig | None = None, faults: FaultHook | None = None,
     ):  # fmt: skip
-        self.cfg, self.root, self.rank, self.world_size = cfg, root, rank, world_size
+        self.cfg, self.root, self.rank, self.world_size, self.model = cfg, root, rank, world_size, model
         self.tensor_parallel, self.context_parallel, self.faults = tensor_parallel, context_parallel, faults
         # Async saves run their collectives on a gloo group of their own, off the training stream.
         self.async_group = dist.new_group(backend="gloo") if cfg.format == "dcp_async" else None
@@ -156,7 +162,9 @@ class CheckpointManager:
         files = {p.name: p.stat().st_size for p in partial.iterdir() if p.is_file()}
         marker = {"step": step, "world_size": self.world_size, "tensor_parallel": self.tensor_parallel,
                   "context_parallel": self.context_parallel, "torch": torch.__version__, "files": files}  # fmt: skip
-        _write_durably(partial / MARKER, json.dumps(marker, indent=1))
+        if self.model is not None:
+            marker[MODEL] = dataclasses.asdict(self.model)
+        _write_durably(partial / MARKER, json.dumps(marker, indent=1, default=str))  # a [model] field JSON lacks: str
         self.fault("marked", step)
         # A directory at the target is damaged (_save verified it): it would block the rename, so it
         # goes aside first. A crash between the renames leaves two `.partial` directories, which the
@@ -308,6 +316,11 @@ def verify(path: Path) -> str:
         if f.stat().st_size != size:
             return f"{name} has {f.stat().st_size} bytes, expected {size} (truncated or overwritten)"
     return ""
+
+
+def recorded_model(path: Path) -> dict | None:
+    """The [model] table COMPLETE.json records of the checkpoint at `path` (None: saved before it was recorded)."""
+    return json.loads((path / MARKER).read_text()).get(MODEL)
 
 
 def checkpoint_steps(root: Path) -> dict[int, Path]:

@@ -36,9 +36,11 @@ from torch import nn
 
 from .checkpoint import checkpoint_steps, verify
 from .config import EXIT_USAGE, CheckpointConfig, DataConfig, FinetuneConfig, UsageError, load_config
+from .config.load import TRAIN
 from .convert import load_checkpoint
 from .data import source_spec
 from .distributed import resolve_device
+from .model_record import checkpoint_refusal
 from .models import ModelConfig, ModelSpec, model_spec
 from .parallelize import DTYPES
 from .weights import load, match_config, weights_dir
@@ -172,6 +174,9 @@ def read_weights(
         problem = verify(path)
         if problem:
             raise UsageError(f"--weights {path}: not a complete checkpoint ({problem}); name a step_* that finished")
+        otherwise = f"name a checkpoint of this config's {model.name} with --weights"
+        if problem := checkpoint_refusal(path, model=model, spec=spec, where=f"--weights {path}", otherwise=otherwise):
+            raise UsageError(problem)
         try:
             with warnings.catch_warnings():  # DCP says it reads in one process: that is the point here
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -201,6 +206,11 @@ class Tokens:
                 )
 
     @property
+    def what(self) -> str:
+        """What a prompt is here, for a refusal."""
+        return "text, read by data.tokenizer" if self.tok else "token ids separated by spaces, e.g. '1 5 7'"
+
+    @property
     def stop(self) -> int | None:
         """The end-of-text id generation stops after (None for token ids: they run to --max-new-tokens)."""
         return None if self.tok is None else self.tok.eos_token_id
@@ -216,6 +226,8 @@ class Tokens:
                 "token ids separated by spaces, e.g. '1 5 7'; set data.tokenizer to the tokenizer the data was "
                 "prepared with for text"
             ) from None
+        if not ids:  # only separators
+            raise UsageError(f"{where} {prompt[:40]!r} holds no token id: give {self.what}")
         outside = [i for i in ids if not 0 <= i < self.vocab_size]
         if outside:
             raise UsageError(f"{where}: token ids {outside[:5]} are outside [0, model.vocab_size={self.vocab_size})")
@@ -258,18 +270,26 @@ def read_prompts(args: argparse.Namespace, tokens: Tokens) -> list[tuple[str, li
                 raise UsageError(where + ': not a chat: one JSON object a line, {"messages": [...]}') from None
             if messages:
                 prompts.append(("", tokens.chat(messages, where)))
+        if not prompts:
+            raise UsageError(f'--chat {args.chat}: no chat in it; write one a line, {{"messages": [...]}}')
         return prompts
     if args.prompt_file is not None:
         if not args.prompt_file.is_file():
             raise UsageError(f"--prompt-file {args.prompt_file}: no such file")
         lines = [line for line in args.prompt_file.read_text(encoding="utf-8").splitlines() if line.strip()]
+        if not lines:
+            raise UsageError(f"--prompt-file {args.prompt_file}: no prompt in it, only blank lines; write one a line")
         return [(line, tokens.encode(line, f"--prompt-file line {n}")) for n, line in enumerate(lines, 1)]
+    if not args.prompt.strip():
+        raise UsageError(f"--prompt {args.prompt!r} is blank: give the text to continue ({tokens.what})")
     return [(args.prompt, tokens.encode(args.prompt, "--prompt"))]
 
 
 def parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
-    parser = argparse.ArgumentParser(prog=f"{__package__}.generate", description=__doc__.splitlines()[0],
-                                     add_help=False)  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog=f"{__package__}.generate", description=__doc__.splitlines()[0],
+        epilog=f"The config's flags follow: --config FILE, and every flag `{TRAIN} --help` lists.",
+    )  # fmt: skip
     given = parser.add_mutually_exclusive_group()
     given.add_argument("--prompt", help="text, or token ids separated by spaces without a tokenizer")
     given.add_argument("--prompt-file", type=Path, help="one prompt a line")

@@ -29,6 +29,7 @@ from .distributed import (
 )
 from .evaluate import check_eval_only
 from .expert_parallel import check_expert_parallel
+from .model_record import check_resume_model
 from .models import model_spec
 from .parallelize import check_float8
 from .plan import check_plan
@@ -56,6 +57,7 @@ def check(cfg: Config, rdzv: Rendezvous) -> None:
     check_data(data=cfg.data, train=cfg.train, eval=cfg.eval, model=cfg.model, rank=rdzv.rank // group,
                world_size=rdzv.world_size // group)  # fmt: skip
     check_resume(cfg.checkpoint)
+    check_resume_model(checkpoint=cfg.checkpoint, model=cfg.model, spec=model_spec(cfg.model.name), run_dir=run_dir)
     check_resume_finetune(checkpoint=cfg.checkpoint, finetune=cfg.finetune, run_dir=run_dir)
     check_init_from(checkpoint=cfg.checkpoint, finetune=cfg.finetune, model=cfg.model,
                     spec=model_spec(cfg.model.name), run_dir=run_dir)  # fmt: skip

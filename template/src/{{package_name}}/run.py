@@ -96,7 +96,7 @@ def build_run(cfg: Config, *, env: DistEnv | None = None, faults: FaultHook | No
     strategy = build_strategy(cfg.parallel, env.mesh, env.device)
     root = Path(cfg.run_dir) / "checkpoints"
     checkpoints = CheckpointManager(cfg.checkpoint, root, env.rank, env.world_size, env.tensor_parallel,
-                                    context_parallel=env.context_parallel, faults=faults)  # fmt: skip
+                                    context_parallel=env.context_parallel, model=cfg.model, faults=faults)  # fmt: skip
     if cfg.eval.only:
         resume = checkpoint_to_evaluate(checkpoint=cfg.checkpoint, run_dir=Path(cfg.run_dir), rank=env.rank)
     else:

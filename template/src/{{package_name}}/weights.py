@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor
 from .checkpoint import checkpoint_to_resume
 from .config import JOB_WIDE, CheckpointConfig, FinetuneConfig, UsageError
 from .expert_parallel import split_experts
+from .model_record import other_architecture
 from .models import ModelConfig, ModelSpec, model_spec
 from .models.lora import ADAPTERS, LoraSettings, apply_lora, initial_adapters, merge_adapters, peft_adapter
 from .models.spec import StateDict
@@ -178,12 +179,14 @@ def match_config(spec: ModelSpec, cfg: ModelConfig, directory: Path) -> None:
             "weights for them: set those to what transformers computes, or start from weights this repo exported "
             "as safetensors"
         )
-    math = hf.math(cfg)
+    math, ours = hf.math(cfg), json.loads(hf.config_json(cfg))
+    if other := other_architecture(theirs, ours, model=cfg.name, also=math.model_types if math else ()):
+        raise ValueError(other)
     if math is None:
         logger.warning("checkpoint.init_from=%s: model.name=%s declares no config.json fields (HFLayout.config_math), "
                        "so only names and shapes are checked", directory, cfg.name, extra=JOB_WIDE)  # fmt: skip
         return
-    refusal = math.refusal(json.loads(hf.config_json(cfg)), theirs, str(directory))
+    refusal = math.refusal(ours, theirs, str(directory))
     if refusal:
         raise ValueError(f"its config.json describes a model that computes otherwise than [model]: {refusal}")
 

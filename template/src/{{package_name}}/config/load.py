@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Literal
 
 import tyro
+from tyro.constructors import ConstructorRegistry, PrimitiveConstructorSpec, PrimitiveTypeInfo
 
 from ..models import ModelConfig, model_spec
 from .tree import DEFAULT_MODEL, Config
@@ -72,6 +73,21 @@ def _check_type(name: str, hint, value):
     return value
 
 
+TOML_BOOLS = ConstructorRegistry()
+"""The command line reads a bool as TOML writes one (`--model.tie_embeddings false`), and as Python does (False)."""
+
+
+@TOML_BOOLS.primitive_rule
+def _toml_bool(info: PrimitiveTypeInfo) -> PrimitiveConstructorSpec | None:
+    if info.type is not bool:
+        return None
+    return PrimitiveConstructorSpec(
+        nargs=1, metavar="{true,false}", choices=("true", "false", "True", "False"),
+        instance_from_str=lambda args: args[0] in ("true", "True"), is_instance=lambda value: isinstance(value, bool),
+        str_from_instance=lambda value: [str(value).lower()],
+    )  # fmt: skip
+
+
 def _quiet_unless_reporting() -> contextlib.AbstractContextManager:
     """Drop this process's output unless it is the rank that reports errors (reports_errors)."""
     stack = contextlib.ExitStack()
@@ -79,6 +95,10 @@ def _quiet_unless_reporting() -> contextlib.AbstractContextManager:
         stack.enter_context(contextlib.redirect_stdout(io.StringIO()))
         stack.enter_context(contextlib.redirect_stderr(io.StringIO()))
     return stack
+
+
+TRAIN = f"python -m {__package__.rpartition('.')[0]}.train"
+"""The trainer's command, as its help and tyro's refusals name it: `TRAIN --help` lists every flag."""
 
 
 def _pre_parser() -> argparse.ArgumentParser:
@@ -115,9 +135,11 @@ def load_config(argv: list[str] | None = None) -> Config:
     with _quiet_unless_reporting():  # tyro prints its own refusals (and --help), then exits with EXIT_USAGE
         cfg = tyro.cli(
             Config,
+            prog=TRAIN,  # not the file: run as a script, its relative imports fail
             default=base,
             args=rest,
             description="Train with FSDP2. --config FILE loads a TOML file; flags below override it.",
             config=(tyro.conf.FlagConversionOff,),
+            registry=TOML_BOOLS,
         )
     return cfg.validate()

@@ -44,6 +44,9 @@ class ConfigMath:
     hint: Callable[[str, list[str]], str] | None = None
     """The fix that builds the model from the checkpoint's own config.json, given the checkpoint's directory
     and the [model] settings that must come with it (None: the model has no such setting)."""
+    model_types: tuple[str, ...] = ()
+    """The config.json `model_type`s whose files these fields describe, besides the one the model exports: a file of
+    any other is another architecture, refused as such before any field is compared."""
 
     def computed_by(self, config: dict) -> dict:
         """The fields a config.json sets (defaults for the ones it leaves out), in one form whichever wrote it."""
@@ -161,6 +164,7 @@ LLAMA = LlamaMath(
     notes={
         "head_dim": "it is model.dim / model.n_heads here",
     },
+    model_types=("llama", "qwen2", "mistral"),
 )
 """The Llama family's config.json math: the built-in decoder's and transformers' llama, qwen2 and mistral."""
 

@@ -98,7 +98,8 @@ class LlamaConfig(BlockConfig):
         if self.dim // self.n_heads % 2:
             errors.append("model.dim / model.n_heads must be even for rotary embeddings")
         if seq_len > self.max_seq_len:
-            errors.append(f"train.seq_len={seq_len} exceeds model.max_seq_len={self.max_seq_len}")
+            errors.append(f"train.seq_len={seq_len} exceeds model.max_seq_len={self.max_seq_len}: set --train.seq_len "
+                          f"{self.max_seq_len} or --model.max_seq_len {seq_len}")  # fmt: skip
         r = self.rope_scaling
         if r.rope_type == "llama3" and not (
             r.factor > 0 and 0 < r.low_freq_factor < r.high_freq_factor and r.original_max_position_embeddings > 0

@@ -120,7 +120,8 @@ class Qwen3MoeConfig(ModelConfig):
         if self.head_dim % 2:
             errors.append(f"model.head_dim={self.head_dim} must be even: rotary embeddings rotate pairs of channels")
         if seq_len > self.max_seq_len:
-            errors.append(f"train.seq_len={seq_len} exceeds model.max_seq_len={self.max_seq_len}: raise max_seq_len")
+            errors.append(f"train.seq_len={seq_len} exceeds model.max_seq_len={self.max_seq_len}: set --train.seq_len "
+                          f"{self.max_seq_len} or --model.max_seq_len {seq_len}")  # fmt: skip
         if self.num_experts_per_tok > self.num_experts:
             errors.append(
                 f"model.num_experts_per_tok={self.num_experts_per_tok} exceeds model.num_experts={self.num_experts}: "
