@@ -22,8 +22,6 @@ import time
 import warnings
 from pathlib import Path
 
-import copier
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # hwprobe.py, the template's hardware probe
 
@@ -92,6 +90,8 @@ def machine_line(m: dict) -> str:
 
 def render(dst: Path, answers: dict) -> float:
     """Render the template at HEAD (with uncommitted changes) into dst; return the seconds it took."""
+    import copier  # here, not above: bench/gpu.py runs renders made elsewhere where copier is not installed
+
     started = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # DirtyLocalWarning while developing the template

@@ -79,6 +79,8 @@ SMOKE_TESTS = [
     "test_plan.py::test_activation_bytes_per_block_match_what_the_model_declares",
     "test_wrong_inputs.py::test_a_checkpoint_of_another_model_is_refused_naming_both_and_the_fix_works",
     "test_wrong_inputs.py::test_a_misspelt_flags_box_names_a_help_command_and_a_flag_that_work",
+    "test_torch_compat.py::test_no_private_torch_name_is_reached_at_import_time",
+    "test_torch_compat.py::test_a_torch_without_private_names_imports_this_repo_and_trains",
 ]
 
 

@@ -29,7 +29,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 from torch import nn
 
 from .config import UsageError
@@ -92,7 +91,7 @@ class UlyssesAttention(nn.Module):
         n, (b, heads, s, d) = self.degree, x.shape
         # Rank j is sent heads j x heads / n onwards; all-to-all works on the first dimension.
         x = x.reshape(b, n, heads // n, s, d).transpose(0, 1).contiguous()
-        x = funcol.all_to_all_single_autograd(x, None, None, self.group)  # (n, b, heads / n, s, d): rank i's part
+        x = _all_to_all(x, self.group)  # (n, b, heads / n, s, d): rank i's part
         # Rank i held chunks i and 2n - 1 - i: chunks 0 .. n - 1 are the first halves in rank order,
         # chunks n .. 2n - 1 the second halves in reverse rank order.
         x = x.permute(1, 2, 0, 3, 4).reshape(b, heads // n, n, 2, s // 2, d)
@@ -104,8 +103,16 @@ class UlyssesAttention(nn.Module):
         chunks = x.reshape(b, heads, 2 * n, seq // (2 * n), d)
         pairs = torch.stack([chunks[:, :, :n], chunks[:, :, n:].flip(2)], dim=3)  # (b, heads, n, 2, chunk, d)
         x = pairs.reshape(b, heads, n, seq // n, d).permute(2, 0, 1, 3, 4).contiguous()
-        x = funcol.all_to_all_single_autograd(x, None, None, self.group)  # (n, b, heads, s, d): heads of rank i
+        x = _all_to_all(x, self.group)  # (n, b, heads, s, d): heads of rank i
         return x.transpose(0, 1).reshape(b, n * heads, seq // n, d)
+
+
+def _all_to_all(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Equal parts of x's first dimension to each rank of `group`, differentiable and traceable: torch's functional
+    collectives, private, so imported only where a context-parallel run arrives."""
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+    return all_to_all_single_autograd(x, None, None, group)
 
 
 def apply_cp(model: nn.Module, mesh, plan: ContextParallelPlan) -> None:

@@ -24,19 +24,22 @@ of them by n again: the experts' gradients come out right and no other gradient 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-
-# Private, as torchtitan uses them: FSDP's per-parameter mesh, how experts are sharded over fewer ranks.
-from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo, ShardPlacementResult
 from torch.distributed.tensor import DTensor, Shard
 
 from .config import UsageError
 from .models import ModelShape
 from .models.spec import StateDict
+
+# The private names expert parallelism needs (FSDP's per-parameter mesh, as torchtitan uses it; the functional
+# all-to-all) are imported where an expert-parallel run uses them, never at import: a torch without them (2.11 has
+# no ShardPlacementResult) runs every other model and degree, and check_expert_parallel refuses this one.
+if TYPE_CHECKING:
+    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
 
 
 class _ScaleGradient(torch.autograd.Function):
@@ -68,6 +71,8 @@ class AllToAllDispatcher(nn.Module):
     def dispatch(
         self, x: torch.Tensor, expert_ids: torch.Tensor, tokens_per_expert: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+        import torch.distributed._functional_collectives as funcol
+
         n, local = self.ranks, self.local_experts
         order = torch.argsort(expert_ids.flatten(), stable=True)  # copy slots by global expert: by destination rank
         rows = x.index_select(0, order // expert_ids.shape[1])
@@ -89,6 +94,8 @@ class AllToAllDispatcher(nn.Module):
         return rows, received.sum(0).to(torch.int32), (ungroup, unsort, send_splits, receive_splits)
 
     def combine(self, rows: torch.Tensor, handle: tuple) -> torch.Tensor:
+        import torch.distributed._functional_collectives as funcol
+
         ungroup, unsort, send_splits, receive_splits = handle
         rows = _ScaleGradient.apply(rows, 1.0 / self.ranks).index_select(0, ungroup)  # gradient into them: / n
         rows = _wait(funcol.all_to_all_single_autograd(rows, send_splits, receive_splits, self.mesh))
@@ -125,6 +132,8 @@ def apply_ep(layers: nn.ModuleList, mesh: DeviceMesh) -> None:
 def expert_fsdp_mesh(expert_mesh: DeviceMesh, *, hybrid: bool) -> FSDPMeshInfo:
     """The ranks FSDP shards each expert over (and, for hybrid sharding, replicates it across), for
     fully_shard's shard_placement_fn: "efsdp", or ("dp_replicate", "efsdp")."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo
+
     if hybrid:
         mesh = expert_mesh["dp_replicate", "efsdp"]
         return HSDPMeshInfo(mesh=mesh, shard_mesh_dim=1, replicate_mesh_dim=0)
@@ -133,6 +142,8 @@ def expert_fsdp_mesh(expert_mesh: DeviceMesh, *, hybrid: bool) -> FSDPMeshInfo:
 
 def expert_placement(param: nn.Parameter, placement: Shard, mesh: FSDPMeshInfo) -> ShardPlacementResult | None:
     """FSDP's placement for an expert-parallel weight: `placement` over `mesh` (expert_fsdp_mesh); None otherwise."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
+
     return ShardPlacementResult(placement=placement, mesh_info=mesh) if is_expert_parallel(param) else None
 
 
@@ -172,6 +183,19 @@ def split_experts(
     return whole, (to_files(*local_experts(split)) if split else {})
 
 
+PER_PARAMETER_MESH_TORCH = "2.12"
+"""The first torch release whose fully_shard takes a mesh per parameter (ShardPlacementResult)."""
+
+
+def has_per_parameter_mesh() -> bool:
+    """Whether this torch's fully_shard can shard the experts over other ranks than the rest of a block."""
+    try:
+        from torch.distributed.fsdp._fully_shard import _fsdp_common
+    except ImportError:
+        return False
+    return hasattr(_fsdp_common, "ShardPlacementResult")
+
+
 def check_expert_parallel(*, degree: int, shape: ModelShape, world_size: int, shard_size: int) -> None:
     """Refuse a degree that does not split the data-parallel ranks, or leaves FSDP an expert it cannot shard
     (a model with experts only: a dense model's config refuses any degree but 1).
@@ -182,6 +206,12 @@ def check_expert_parallel(*, degree: int, shape: ModelShape, world_size: int, sh
     """
     if not shape.experts:
         return
+    if degree > 1 and not has_per_parameter_mesh():
+        raise UsageError(
+            f"parallel.expert_parallel={degree} needs torch {PER_PARAMETER_MESH_TORCH} or newer (fully_shard's mesh "
+            f"per parameter, ShardPlacementResult); this is torch {torch.__version__}: install torch>="
+            f"{PER_PARAMETER_MESH_TORCH}, or set parallel.expert_parallel=1"
+        )
     if degree > shard_size or shard_size % degree:
         raise UsageError(
             f"parallel.expert_parallel={degree} must divide the {shard_size} ranks that shard each weight (world size "

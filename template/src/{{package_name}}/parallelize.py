@@ -17,10 +17,10 @@ import dataclasses
 import functools
 import warnings
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
@@ -37,8 +37,14 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from .config import ParallelConfig, UsageError
 from .context_parallel import apply_cp
 from .distributed import data_parallel_mesh
-from .expert_parallel import FSDPMeshInfo, apply_ep, expert_fsdp_mesh, expert_placement
+from .expert_parallel import apply_ep, expert_fsdp_mesh, expert_placement
 from .models.spec import ContextParallelPlan, TensorParallelPlan
+
+# Private torch names are imported, or looked up, only on the path of the feature that needs them (activation
+# checkpointing, compile, expert parallelism): the torch a cluster has decides which features run, not whether
+# the run starts.
+if TYPE_CHECKING:
+    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -78,17 +84,21 @@ def parallelize(
 # recomputes the cheap elementwise work around it (norms, activations, rotary embeddings). With
 # context and expert parallelism it keeps the all-to-alls' outputs too: recomputing them would repeat
 # the communication in backward.
-_SAVE_OPS = {
-    torch.ops._c10d_functional.all_to_all_single.default,
-    torch.ops.aten.mm.default,
-    torch.ops.aten.addmm.default,
-    torch.ops.aten.bmm.default,
-    torch.ops.aten._grouped_mm.default,  # a mixture of experts' expert matmuls
-    torch.ops.aten._scaled_dot_product_flash_attention.default,
-    torch.ops.aten._scaled_dot_product_efficient_attention.default,
-    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
-}
+@functools.cache
+def _save_ops() -> frozenset:
+    # Private ops, looked up once selective checkpointing runs; one this torch lacks is one no block calls.
+    packets = (
+        getattr(torch.ops._c10d_functional, "all_to_all_single", None),
+        torch.ops.aten.mm,
+        torch.ops.aten.addmm,
+        torch.ops.aten.bmm,
+        getattr(torch.ops.aten, "_grouped_mm", None),  # a mixture of experts' expert matmuls
+        getattr(torch.ops.aten, "_scaled_dot_product_flash_attention", None),
+        getattr(torch.ops.aten, "_scaled_dot_product_efficient_attention", None),
+        getattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention", None),
+        getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None),
+    )
+    return frozenset(packet.default for packet in packets if packet is not None)
 
 
 _MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
@@ -99,13 +109,15 @@ def _save_matmuls(ctx, op, *args, adapter_rank: int = 0, **kwargs) -> Checkpoint
         # A LoRA adapter's matmul: it contracts over or produces adapter_rank columns, so recomputing
         # it costs little, while keeping the up-projection's output would cost as much as the base layer's.
         return CheckpointPolicy.PREFER_RECOMPUTE
-    return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    return CheckpointPolicy.MUST_SAVE if op in _save_ops() else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def apply_ac(layers: nn.ModuleList, mode: str, *, adapter_rank: int = 0) -> None:
     """Wrap each block so its activations are recomputed in backward; `adapter_rank` is LoRA's rank (0: none)."""
     if mode == "none":
         return
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
     kwargs = {}
     if mode == "selective":
         policy = functools.partial(_save_matmuls, adapter_rank=adapter_rank)

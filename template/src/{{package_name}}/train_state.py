@@ -12,8 +12,6 @@ import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-from torch.utils._pytree import tree_map
 
 from .data import UNRECORDED_ORDER
 from .strategy import Strategy
@@ -87,8 +85,12 @@ def plain_tensors(state: dict) -> dict:
     """
 
     def unwrap(value):
-        if isinstance(value, DTensor) and is_traceable_wrapper_subclass(value.to_local()):
-            local = value.to_local()
+        if isinstance(value, dict):
+            return {key: unwrap(item) for key, item in value.items()}
+        if isinstance(value, list | tuple):
+            return type(value)(unwrap(item) for item in value)
+        # A wrapper subclass (torch's traceable-subclass protocol) names the plain tensors it holds.
+        if isinstance(value, DTensor) and hasattr(local := value.to_local(), "__tensor_flatten__"):
             names, _ = local.__tensor_flatten__()
             if len(names) == 1:
                 inner = getattr(local, names[0])
@@ -96,7 +98,7 @@ def plain_tensors(state: dict) -> dict:
                                           shape=value.shape, stride=value.stride())  # fmt: skip
         return value
 
-    return tree_map(unwrap, state)
+    return unwrap(state)
 
 
 def _rng_state() -> dict:
