@@ -159,6 +159,52 @@ GRID = random.Random(0).sample(list(itertools.product(
 )), 20736)  # fmt: skip
 
 
+def test_question_time_and_run_time_degrees_agree(plan):
+    # hooks/plan.jinja's parallel_degrees and the render's distributed.parallel_degrees (its Degrees): the same
+    # arguments, the same fields and properties, on every split of 1 to 16 ranks the planner or a job can ask for.
+    distributed = importlib.import_module("planpkg.distributed")
+    checked = 0
+    for sharding, (world, per_node), tp, cp, ep, shard_size in itertools.product(
+        ["full", "shard_grad_op", "hybrid", "no_shard"], [(1, 1), (2, 2), (8, 8), (16, 8), (12, 4), (6, 3)],
+        [1, 2, 4], [1, 2, 4], [1, 2], [0, 2],
+    ):  # fmt: skip
+        q = json.loads(jinja("parallel_degrees", sharding, world, per_node, tp, cp, ep, shard_size))
+        r = distributed.parallel_degrees(sharding, world_size=world, ranks_per_node=per_node, tp=tp, cp=cp, ep=ep,
+                                         hsdp_shard_size=shard_size)  # fmt: skip
+        python = {**asdict(r), "dp": r.dp, "shard_group": r.shard_group, "efsdp": r.efsdp}
+        assert q == python, (sharding, world, per_node, tp, cp, ep, shard_size)
+        checked += 1
+    assert checked == 4 * 6 * 3 * 3 * 2 * 2
+
+
+# What derives one degree from others (a rank count divided: `world // tp`, `gpus_per_node // tp`; or anything divided
+# by a product of degrees: `// (tp * cp)`), in the question-time Jinja and the docs it renders. The render's Python
+# has its own scan (tests/test_degrees.py, generated).
+DEGREE_ARITHMETIC = re.compile(
+    r"\b(world|world_size|gpus_per_node|num_nodes|per_node|ranks_per_node)\)?\s*//"
+    r"|//\s*\(\s*[\w.]*(tp|tensor_parallel)\s*\*\s*[\w.]*(cp|context_parallel)"
+)
+
+
+def test_question_time_derives_degrees_in_parallel_degrees_only():
+    found = []
+    for path in [
+        TEMPLATE / "copier.yml",
+        *(TEMPLATE / "hooks").glob("*.jinja"),
+        *(TEMPLATE / "template").rglob("*.md.jinja"),
+    ]:
+        text = path.read_text()
+        if path.name == "plan.jinja":  # the macro itself
+            start = text.index("{%- macro parallel_degrees(")
+            text = text[:start] + text[text.index("{%- endmacro -%}", start) :]
+        found += [f"{path.relative_to(TEMPLATE)}: {line.strip()[:80]}" for line in text.splitlines()
+                  if DEGREE_ARITHMETIC.search(line)]  # fmt: skip
+    assert not found, found
+    assert DEGREE_ARITHMETIC.search("{%- set dp = world // tp -%}")
+    assert DEGREE_ARITHMETIC.search("mbs * world // (tensor_parallel * context_parallel)")
+    assert not DEGREE_ARITHMETIC.search("{{ m.n_heads // tp }} of the {{ seq_len // (2 * cp) }}")
+
+
 def test_question_time_and_run_time_memory_agree(plan):
     fields = ["params", "grads", "optim", "grads_live", "gathered", "gradbuf", "activations", "host", "total"]
     checked = {"full": 0, "lora": 0}

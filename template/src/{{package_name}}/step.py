@@ -91,11 +91,10 @@ class RouterBalance:
 
 def build_step_context(
     *, parallel: ParallelConfig, train: TrainConfig, data_source: str, strategy: Strategy, device: torch.device,
-    cp_rank: int = 0, model: nn.Module | None = None,
+    cp_rank: int = 0, cp: int = 1, model: nn.Module | None = None,
 ) -> StepContext:  # fmt: skip
-    """The step's settings; `cp_rank` is this rank's place in its context-parallel group, `model` the model
-    itself (strategy.unwrap), whose aux_loss makes it a mixture of experts."""
-    degree = parallel.context_parallel
+    """The step's settings; `cp_rank` is this rank's place in its context-parallel group of `cp` ranks
+    (distributed.Degrees), `model` the model itself (strategy.unwrap), whose aux_loss makes it a mixture of experts."""
     experts = RouterBalance(model, strategy.dp_group) if hasattr(model, "aux_loss") else None
     return StepContext(
         strategy=strategy,
@@ -104,7 +103,7 @@ def build_step_context(
         max_grad_norm=train.max_grad_norm,
         device=device,
         scored_targets_only=data_source == "sft",
-        sequence_split=SequenceSplit(cp_rank, degree) if degree > 1 else None,
+        sequence_split=SequenceSplit(cp_rank, cp) if cp > 1 else None,
         experts=experts,
     )
 
