@@ -9,9 +9,9 @@ differ from the hardware the repo was generated for, prints the plan on them and
 `copier update` command that re-sizes the repo. At start-up the trainer checks the plan against
 the live world size, device memory and RAM (check.py's `check_plan`).
 
-The template chose the repo's defaults with the same formulas, written in Jinja (the template's
-hooks/plan.jinja); its tests hold the two together on a grid of inputs. Each formula is written
-once here, in the docstring of the function that computes it:
+The template chose the repo's defaults with the same formulas, written in Jinja as macros of the
+same names (the template's hooks/plan.jinja); its tests hold the two together on a grid of inputs.
+Each formula is written once here, in the docstring of the function that computes it:
 
     memory.py          memory_plan: the device bytes per rank (parameters, gradients, optimizer
                        state, gathered blocks, activations) and their peak (MemoryPlan.total);
