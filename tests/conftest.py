@@ -45,16 +45,16 @@ def answers_of(root: Path) -> dict:
 
 
 def misfit(a: dict) -> str:
-    """The planner's objection to the recorded answers (hooks/plan.jinja's check_fit for the GPUs, check_host for
-    the node's RAM); empty when they fit."""
+    """The planner's objection to the recorded answers (hooks/plan.jinja's check_plan for the GPUs,
+    check_host_memory for the node's RAM; the render's plan/ has both); empty when they fit."""
     zero = a.get("zero_optimizer", False)
     sp = a.get("model_type") != "hf_causal_lm"  # transformers' tensor-parallel plans split no sequence
-    device = hook("plan", "check_fit", a["model_size"], a.get("seq_len", 0), a["micro_batch_size"],
+    device = hook("plan", "check_plan", a["model_size"], a.get("seq_len", 0), a["micro_batch_size"],
                   a["mixed_precision"], a["activation_checkpointing"], a["sharding"], a["cpu_offload"],
                   a["gpus_per_node"], a["num_nodes"], a.get("gpu_memory_gb", 0), a.get("inter_node_link", "infiniband"),
                   a["accelerator"], zero, a.get("finetune", "full"), a.get("tensor_parallel", 1), 0, sp,
                   a.get("context_parallel", 1), a.get("expert_parallel", 1))  # fmt: skip
-    host = hook("plan", "check_host", a["model_size"], a.get("seq_len", 0), a["micro_batch_size"],
+    host = hook("plan", "check_host_memory", a["model_size"], a.get("seq_len", 0), a["micro_batch_size"],
                 a["mixed_precision"], a["activation_checkpointing"], a["sharding"], a["cpu_offload"],
                 a["gpus_per_node"], a["num_nodes"], a["host_memory_gb"], a["accelerator"], zero,
                 a.get("finetune", "full"), a.get("tensor_parallel", 1), a["checkpoint_format"],

@@ -159,7 +159,74 @@ GRID = random.Random(0).sample(list(itertools.product(
 )), 20736)  # fmt: skip
 
 
+def test_question_time_and_run_time_degrees_agree(plan):
+    # hooks/plan.jinja's parallel_degrees and the render's distributed.parallel_degrees (its Degrees): the same
+    # arguments, the same fields and properties, on every split of 1 to 16 ranks the planner or a job can ask for.
+    distributed = importlib.import_module("planpkg.distributed")
+    checked = 0
+    for sharding, (world, per_node), tp, cp, ep, shard_size in itertools.product(
+        ["full", "shard_grad_op", "hybrid", "no_shard"], [(1, 1), (2, 2), (8, 8), (16, 8), (12, 4), (6, 3)],
+        [1, 2, 4], [1, 2, 4], [1, 2], [0, 2],
+    ):  # fmt: skip
+        q = json.loads(jinja("parallel_degrees", sharding, world, per_node, tp, cp, ep, shard_size))
+        r = distributed.parallel_degrees(sharding, world_size=world, ranks_per_node=per_node, tp=tp, cp=cp, ep=ep,
+                                         hsdp_shard_size=shard_size)  # fmt: skip
+        python = {**asdict(r), "dp": r.dp, "shard_group": r.shard_group, "efsdp": r.efsdp}
+        assert q == python, (sharding, world, per_node, tp, cp, ep, shard_size)
+        checked += 1
+    assert checked == 4 * 6 * 3 * 3 * 2 * 2
+
+
+# What derives one degree from others (a rank count divided: `world // tp`, `gpus_per_node // tp`; or anything divided
+# by a product of degrees: `// (tp * cp)`), in the question-time Jinja and the docs it renders. The render's Python
+# has its own scan (tests/test_degrees.py, generated).
+DEGREE_ARITHMETIC = re.compile(
+    r"\b(world|world_size|gpus_per_node|num_nodes|per_node|ranks_per_node)\)?\s*//"
+    r"|//\s*\(\s*[\w.]*(tp|tensor_parallel)\s*\*\s*[\w.]*(cp|context_parallel)"
+)
+
+
+def test_each_planner_macro_is_a_function_of_the_render_by_the_same_name(plan, moe):
+    # One vocabulary: every macro of hooks/plan.jinja but the formatting ones names a function (or the method the
+    # table at its top names) of the generated package, and the Python plan/ mentions no macro by another name.
+    text = (TEMPLATE / "hooks" / "plan.jinja").read_text()
+    macros = [
+        name for name in re.findall(r"\{%- macro (\w+)\(", text) if name[0] != "_" and name not in ("gib", "size")
+    ]
+    moepkg = moe[0]
+    shape = importlib.import_module("moepkg.models.qwen3_moe.shape")
+    where = [plan, importlib.import_module("planpkg.distributed"), importlib.import_module("planpkg.models"), shape]
+    named = {"moe_activation_bytes": shape.MoeShape.activation_bytes}
+    missing = [name for name in macros if name not in named and not any(hasattr(module, name) for module in where)]
+    assert not missing and len(macros) == 26, (missing, macros)
+    answers = (TEMPLATE / "hooks" / "answers.jinja").read_text()
+    assert "macro largest_fitting_micro_batch(" in answers and hasattr(moepkg.choice, "largest_fitting_micro_batch")
+    for name in macros:
+        assert name in text[: text.index("-#}")], f"{name} is missing from the table at the top of hooks/plan.jinja"
+
+
+def test_question_time_derives_degrees_in_parallel_degrees_only():
+    found = []
+    for path in [
+        TEMPLATE / "copier.yml",
+        *(TEMPLATE / "hooks").glob("*.jinja"),
+        *(TEMPLATE / "template").rglob("*.md.jinja"),
+    ]:
+        text = path.read_text()
+        if path.name == "plan.jinja":  # the macro itself
+            start = text.index("{%- macro parallel_degrees(")
+            text = text[:start] + text[text.index("{%- endmacro -%}", start) :]
+        found += [f"{path.relative_to(TEMPLATE)}: {line.strip()[:80]}" for line in text.splitlines()
+                  if DEGREE_ARITHMETIC.search(line)]  # fmt: skip
+    assert not found, found
+    assert DEGREE_ARITHMETIC.search("{%- set dp = world // tp -%}")
+    assert DEGREE_ARITHMETIC.search("mbs * world // (tensor_parallel * context_parallel)")
+    assert not DEGREE_ARITHMETIC.search("{{ m.n_heads // tp }} of the {{ seq_len // (2 * cp) }}")
+
+
 def test_question_time_and_run_time_memory_agree(plan):
+    # plan.jinja's memory_plan (with model_shape, activation_bytes_per_token, adapter_params, block_gather_bytes and
+    # parallel_degrees) against plan/memory.py's memory_plan on the shape models/llama/shape.py declares.
     fields = ["params", "grads", "optim", "grads_live", "gathered", "gradbuf", "activations", "host", "total"]
     checked = {"full": 0, "lora": 0}
     for preset, precision, ac, sharding, offload, (gpus, nodes), accum, sync, zero, prefetch, finetune in GRID:
@@ -198,6 +265,7 @@ def test_question_time_and_run_time_memory_agree(plan):
 
 
 def test_question_time_and_run_time_recommendations_agree(plan, tmp_path):
+    # plan.jinja's recommend (over cheapest and sharding_candidates) against plan/choice.py's of the same names.
     from planpkg.config import Config, FinetuneConfig, HardwareConfig, ParallelConfig, TrainConfig
 
     differ = 0
@@ -229,6 +297,7 @@ def test_question_time_and_run_time_recommendations_agree(plan, tmp_path):
 
 
 def test_question_time_and_run_time_communication_agree(plan):
+    # plan.jinja's communication_bytes against plan/communication.py's.
     checked = 0
     for preset, sharding, precision, (gpus, nodes), zero, finetune in itertools.product(
         PRESETS,
@@ -240,7 +309,7 @@ def test_question_time_and_run_time_communication_agree(plan):
     ):
         if zero and sharding != "no_shard":
             continue
-        q = json.loads(jinja("communication", preset, sharding, precision, gpus, nodes, zero, "none", finetune))
+        q = json.loads(jinja("communication_bytes", preset, sharding, precision, gpus, nodes, zero, "none", finetune))
         rank = HOOKS.LORA["rank"] if finetune == "lora" else 0
         r = plan.communication_bytes(shape(plan, preset), sharding, precision, gpus, nodes, zero, lora_rank=rank)
         assert q == pytest.approx(r, rel=1e-12), (preset, sharding, precision, gpus, nodes, zero, finetune)
@@ -253,6 +322,7 @@ def test_question_time_and_run_time_communication_agree(plan):
 
 
 def test_float8_all_gather_is_counted_alike_at_question_and_run_time(plan):
+    # block_gather_bytes with float8, in plan.jinja's memory_plan and communication_bytes and plan/'s.
     checked = 0
     for preset, sharding, recipe in itertools.product(
         PRESETS, ["full", "shard_grad_op", "hybrid", "no_shard"], ["none", "tensorwise", "rowwise"]
@@ -264,7 +334,7 @@ def test_float8_all_gather_is_counted_alike_at_question_and_run_time(plan):
                              ac="selective", sharding=sharding, cpu_offload=False, gpus_per_node=8, num_nodes=2,
                              float8=recipe)  # fmt: skip
         assert q["gathered"] == pytest.approx(r.gathered, rel=1e-12) and q["total"] == pytest.approx(r.total, rel=1e-12)
-        qc = json.loads(jinja("communication", preset, sharding, "bf16", 8, 2, False, recipe))
+        qc = json.loads(jinja("communication_bytes", preset, sharding, "bf16", 8, 2, False, recipe))
         assert qc == pytest.approx(plan.communication_bytes(shape(plan, preset), sharding, "bf16", 8, 2, False, recipe))
         checked += 1
     assert checked == len(PRESETS) * 12
@@ -372,6 +442,8 @@ TP_GRID = list(itertools.product(
 
 
 def test_question_time_and_run_time_agree_with_tensor_parallelism(plan):
+    # memory_plan, communication_bytes and tensor_parallel_bytes with a tensor-parallel degree: plan.jinja's and
+    # plan/memory.py's, plan/communication.py's.
     fields = ["params", "grads", "optim", "grads_live", "gathered", "gradbuf", "activations", "host", "total"]
     checked, split = 0, set()
     for i, (preset, precision, ac, sharding, offload, (gpus, nodes), tp, accum) in enumerate(TP_GRID):
@@ -388,10 +460,12 @@ def test_question_time_and_run_time_agree_with_tensor_parallelism(plan):
         for name in fields:
             assert q[name] == pytest.approx(getattr(r, name), rel=1e-12), (preset, precision, ac, tp, sp, name)
         split |= {(axis, value, sp) for axis, value in enumerate(TP_GRID[i])}
-        qc = json.loads(jinja("communication", preset, sharding, precision, gpus, nodes, False, "none", "full", tp))
+        qc = json.loads(
+            jinja("communication_bytes", preset, sharding, precision, gpus, nodes, False, "none", "full", tp)
+        )
         rc = plan.communication_bytes(shape(plan, preset), sharding, precision, gpus, nodes, tensor_parallel=tp)
         assert qc == pytest.approx(rc, rel=1e-12), (preset, sharding, precision, gpus, nodes, tp)
-        qt = float(jinja("tp_communication", preset, precision, ac, tp, seq * mbs))
+        qt = float(jinja("tensor_parallel_bytes", preset, precision, ac, tp, seq * mbs))
         assert qt == pytest.approx(plan.tensor_parallel_bytes(shape(plan, preset), precision, ac, tp, seq * mbs))
         checked += 1
     assert checked == len(TP_GRID) > 1000
@@ -407,15 +481,16 @@ def tp_recommendations(plan, grid, model_type: str, **model_fields) -> set[int]:
             continue
         p = PRESETS[preset]
         cfg = hardware_config(preset, "bf16", gpus, nodes, memory, intra, inter, "hopper", **model_fields)
-        degrees = jinja("tp_degrees", preset, p["seq_len"], gpus, "cuda", model_type)
+        degrees = jinja("tensor_parallel_degrees", preset, p["seq_len"], gpus, "cuda", model_type)
         assert degrees == ",".join(map(str, degrees_of(plan, cfg)))
-        q = jinja("recommend_tp", preset, p["seq_len"], p["micro_batch_size"], "bf16", gpus, nodes, memory, intra,
-                  inter, "cuda", "hopper", model_type)  # fmt: skip
+        q = jinja("recommend_tensor_parallel", preset, p["seq_len"], p["micro_batch_size"], "bf16", gpus, nodes, memory,
+                  intra, inter, "cuda", "hopper", model_type)  # fmt: skip
         r = best_degree(plan, cfg, p["micro_batch_size"])
         assert int(q) == r, (preset, gpus, nodes, memory, intra, inter)
         for t in degrees_of(plan, cfg):
-            qe = json.loads(jinja("tp_estimate", preset, p["seq_len"], p["micro_batch_size"], "bf16", gpus, nodes,
-                                  memory, intra, inter, "cuda", "hopper", t, 0, model_type == "llama"))  # fmt: skip
+            qe = json.loads(jinja("estimate_tensor_parallel", preset, p["seq_len"], p["micro_batch_size"], "bf16", gpus,
+                                  nodes, memory, intra, inter, "cuda", "hopper", t, 0,
+                                  model_type == "llama"))  # fmt: skip
             re_ = estimate(plan, cfg, t, p["micro_batch_size"])
             assert bool(qe) == (re_ is not None)
             if re_ is not None:
@@ -431,6 +506,7 @@ def tp_recommendations(plan, grid, model_type: str, **model_fields) -> set[int]:
 
 
 def test_question_time_and_run_time_tensor_parallel_recommendations_agree(plan):
+    # tensor_parallel_degrees, estimate_tensor_parallel and recommend_tensor_parallel: plan.jinja's, plan/choice.py's.
     grid = list(itertools.product(
         ["1b", "8b", "70b"], [(4, 1), (8, 1), (8, 4)], [24, 80, 180], ["nvlink", "pcie"], ["infiniband", "ethernet"]
     ))  # fmt: skip
@@ -500,6 +576,8 @@ CP_GRID = list(itertools.product(
 
 
 def test_question_time_and_run_time_agree_with_context_parallelism(plan):
+    # memory_plan and context_parallel_bytes with a context-parallel degree: plan.jinja's and plan/'s (the activations
+    # as models/llama/shape.py declares them).
     fields = ["params", "grads", "optim", "grads_live", "gathered", "gradbuf", "activations", "host", "total"]
     checked = 0
     for preset, precision, ac, sharding, offload, (gpus, nodes), (tp, cp), finetune in CP_GRID:
@@ -515,7 +593,7 @@ def test_question_time_and_run_time_agree_with_context_parallelism(plan):
                              context_parallel=cp)  # fmt: skip
         for name in fields:
             assert q[name] == pytest.approx(getattr(r, name), rel=1e-12), (preset, precision, ac, tp, cp, name)
-        qc = float(jinja("cp_communication", preset, precision, ac, tp, cp, seq * mbs))
+        qc = float(jinja("context_parallel_bytes", preset, precision, ac, tp, cp, seq * mbs))
         rc = plan.context_parallel_bytes(shape(plan, preset), precision, ac, tp, cp, seq * mbs)
         assert qc == pytest.approx(rc, rel=1e-12) and rc > 0, (preset, precision, ac, tp, cp)
         checked += 1
@@ -527,6 +605,7 @@ def test_question_time_and_run_time_agree_with_context_parallelism(plan):
 
 
 def test_question_time_and_run_time_pick_the_same_context_parallel_degree(plan):
+    # context_parallel_degrees and recommend_context_parallel: plan.jinja's and plan/choice.py's.
     picked = set()
     for preset, seq, (gpus, nodes), memory, tp in itertools.product(
         ["1b", "8b", "70b"], [8192, 32768, 131072], [(8, 1), (4, 2)], [40, 80, 141], [1, 2]
@@ -534,22 +613,22 @@ def test_question_time_and_run_time_pick_the_same_context_parallel_degree(plan):
         cfg = hardware_config(preset, "bf16", gpus, nodes, memory, "nvlink", "infiniband", "hopper")
         cfg.train.seq_len, cfg.train.micro_batch_size = seq, 1
         cfg.parallel.tensor_parallel = tp
-        q_degrees = jinja("cp_degrees", preset, seq, gpus, tp, "cuda", "llama")
+        q_degrees = jinja("context_parallel_degrees", preset, seq, gpus, tp, "cuda", "llama")
         r_degrees = plan.context_parallel_degrees(model=cfg.model, train=cfg.train, parallel=cfg.parallel,
                                                   hardware=cfg.hardware)  # fmt: skip
         assert q_degrees == ",".join(map(str, r_degrees)), (preset, seq, gpus, tp)
-        q = jinja("recommend_cp", preset, seq, 1, "bf16", gpus, nodes, memory, "infiniband", "cuda", "llama", "full",
-                  tp)  # fmt: skip
+        q = jinja("recommend_context_parallel", preset, seq, 1, "bf16", gpus, nodes, memory, "infiniband", "cuda",
+                  "llama", "full", tp)  # fmt: skip
         r = plan.recommend_context_parallel(**subs(cfg))
         assert int(q) == r, (preset, seq, gpus, nodes, memory, tp)
         picked.add(r)
     assert picked >= {1, 2, 4}, picked  # the grid needs no degree, some, and the most a node has
     # Other models, and CPU ranks, have only 1.
-    assert jinja("cp_degrees", "8b", 131072, 8, 1, "cuda", "hf_causal_lm") == "1"
-    assert jinja("cp_degrees", "8b", 131072, 8, 1, "cpu", "llama") == "1"
+    assert jinja("context_parallel_degrees", "8b", 131072, 8, 1, "cuda", "hf_causal_lm") == "1"
+    assert jinja("context_parallel_degrees", "8b", 131072, 8, 1, "cpu", "llama") == "1"
     # A degree must split the node, the heads (125m has 12) and the sequence into 2 x degree chunks.
-    assert jinja("cp_degrees", "125m", 2048, 8, 1, "cuda", "llama") == "1,2,4"
-    assert jinja("cp_degrees", "8b", 8200, 8, 1, "cuda", "llama") == "1,2,4"
+    assert jinja("context_parallel_degrees", "125m", 2048, 8, 1, "cuda", "llama") == "1,2,4"
+    assert jinja("context_parallel_degrees", "8b", 8200, 8, 1, "cuda", "llama") == "1,2,4"
 
 
 def test_host_memory_of_70b_on_one_24_gib_gpu_by_hand(plan):
@@ -663,6 +742,8 @@ def moe_config(moe, preset, precision, gpus, nodes, memory, intra, inter, arch):
 
 
 def test_question_time_and_run_time_agree_for_a_mixture_of_experts(moe):
+    # plan.jinja's moe_shape and moe_activation_bytes against models/qwen3_moe/shape.py's moe_shape and
+    # MoeShape.activation_bytes, through memory_plan, communication_bytes and expert_parallel_bytes on both sides.
     plan, _, shape_of = moe
     fields = ["params", "grads", "optim", "grads_live", "gathered", "gradbuf", "activations", "host", "dispatch",
               "total"]  # fmt: skip
@@ -681,16 +762,19 @@ def test_question_time_and_run_time_agree_for_a_mixture_of_experts(moe):
                              grad_accum=accum, expert_parallel=ep)  # fmt: skip
         for name in fields:
             assert q[name] == pytest.approx(getattr(r, name), rel=1e-12), (preset, precision, ac, sharding, ep, name)
-        qc = json.loads(jinja("communication", preset, sharding, precision, gpus, nodes, False, "none", "full", 1, ep))
+        qc = json.loads(
+            jinja("communication_bytes", preset, sharding, precision, gpus, nodes, False, "none", "full", 1, ep)
+        )
         rc = plan.communication_bytes(shape_of(preset), sharding, precision, gpus, nodes, expert_parallel=ep)
         assert qc == pytest.approx(rc, rel=1e-12), (preset, sharding, precision, gpus, nodes, ep)
-        qa = float(jinja("ep_communication", preset, precision, ac, ep, seq * mbs * accum))
+        qa = float(jinja("expert_parallel_bytes", preset, precision, ac, ep, seq * mbs * accum))
         assert qa == pytest.approx(plan.expert_parallel_bytes(shape_of(preset), precision, ac, ep, seq * mbs * accum))
         checked += 1
     assert checked > 1000, checked
 
 
 def test_question_time_and_run_time_expert_parallel_recommendations_agree(moe):
+    # expert_parallel_degrees, estimate_expert_parallel and recommend_expert_parallel: plan.jinja's, plan/choice.py's.
     plan, _, _ = moe
     picked = set()
     grid = itertools.product(["30b-a3b", "235b-a22b"], [(2, 1), (8, 1), (8, 4)], [40, 80, 180], ["nvlink", "pcie"],
@@ -700,20 +784,20 @@ def test_question_time_and_run_time_expert_parallel_recommendations_agree(moe):
             continue
         m, cfg = MOE[preset], moe_config(moe, preset, "bf16", gpus, nodes, memory, intra, inter, "hopper")
         degrees = plan.expert_parallel_degrees(model=cfg.model, hardware=cfg.hardware)
-        assert jinja("ep_degrees", preset, gpus, "cuda") == ",".join(map(str, degrees))
+        assert jinja("expert_parallel_degrees", preset, gpus, "cuda") == ",".join(map(str, degrees))
         args = dict(model=cfg.model, train=cfg.train, parallel=cfg.parallel, hardware=cfg.hardware,
                     finetune=cfg.finetune, checkpoint=cfg.checkpoint)  # fmt: skip
         for d in degrees:
-            qe = json.loads(jinja("ep_estimate", preset, m["seq_len"], m["micro_batch_size"], "bf16", gpus, nodes,
-                                  memory, intra, inter, "cuda", "hopper", d))  # fmt: skip
+            qe = json.loads(jinja("estimate_expert_parallel", preset, m["seq_len"], m["micro_batch_size"], "bf16", gpus,
+                                  nodes, memory, intra, inter, "cuda", "hopper", d))  # fmt: skip
             re_ = plan.estimate_expert_parallel(**args, degree=d, base_micro_batch=m["micro_batch_size"])
             assert bool(qe) == (re_ is not None), (preset, gpus, nodes, memory, d)
             if re_ is not None:
                 assert (qe["micro_batch_size"], qe["ac"], qe["sharding"], qe["offload"]) == (
                     re_.micro_batch_size, re_.ac, re_.sharding, re_.cpu_offload)  # fmt: skip
                 assert qe["seconds_per_token"] == pytest.approx(re_.seconds_per_token, rel=1e-12)
-        q = int(jinja("recommend_ep", preset, m["seq_len"], m["micro_batch_size"], "bf16", gpus, nodes, memory,
-                      intra, inter, "cuda", "hopper"))  # fmt: skip
+        q = int(jinja("recommend_expert_parallel", preset, m["seq_len"], m["micro_batch_size"], "bf16", gpus, nodes,
+                      memory, intra, inter, "cuda", "hopper"))  # fmt: skip
         r = plan.recommend_expert_parallel(**args, base_micro_batch=m["micro_batch_size"])
         assert q == r, (preset, gpus, nodes, memory, intra, inter)
         picked.add(r)
@@ -804,6 +888,7 @@ HOST_GRID = random.Random(0).sample([c for c in itertools.product(
 
 
 def test_question_time_and_run_time_host_memory_agree(plan):
+    # plan.jinja's host_memory_plan against plan/host.py's.
     fields = ["runtime", "state", "device", "staging", "load", "start", "export", "os", "total"]
     checked = 0
     for preset, accelerator, precision, sharding, offload, (gpus, nodes), finetune, fmt, export in HOST_GRID:
@@ -812,8 +897,8 @@ def test_question_time_and_run_time_host_memory_agree(plan):
         m = plan.memory_plan(shape(plan, preset), seq_len=seq, micro_batch_size=mbs, precision=precision, ac="full",
                              sharding=sharding, cpu_offload=offload, gpus_per_node=gpus, num_nodes=nodes,
                              lora_rank=rank)  # fmt: skip
-        q = json.loads(jinja("host_plan", preset, {**asdict(m), "total": m.total}, accelerator, precision, gpus, nodes,
-                             offload, finetune, fmt, export, finetune == "lora"))  # fmt: skip
+        q = json.loads(jinja("host_memory_plan", preset, {**asdict(m), "total": m.total}, accelerator, precision, gpus,
+                             nodes, offload, finetune, fmt, export, finetune == "lora"))  # fmt: skip
         r = plan.host_memory_plan(shape(plan, preset), m, accelerator=accelerator, precision=precision,
                                   gpus_per_node=gpus, num_nodes=nodes, cpu_offload=offload, lora_rank=rank,
                                   checkpoint_format=fmt, export=export, init_from=finetune == "lora")  # fmt: skip
@@ -824,6 +909,7 @@ def test_question_time_and_run_time_host_memory_agree(plan):
 
 
 def test_question_time_and_run_time_recommendations_agree_on_host_memory(plan):
+    # cheapest with the node's RAM: plan.jinja's (host_memory_plan inside) and plan/choice.py's (host_plan_for).
     from planpkg.config import CheckpointConfig, Config, HardwareConfig, ParallelConfig, TrainConfig
 
     differ = refused = 0

@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from .config import JOB_WIDE, CheckpointConfig, FinetuneConfig, UsageError
+from .distributed import Degrees
 from .models import ModelConfig
 from .train_state import CHECKPOINT_KEY, TrainState, WeightsOnlyLoadPlanner
 
@@ -63,11 +64,10 @@ class CheckpointManager:
     """
 
     def __init__(
-        self, cfg: CheckpointConfig, root: Path, rank: int, world_size: int, tensor_parallel: int = 1, *,
-        context_parallel: int = 1, model: ModelConfig | None = None, faults: FaultHook | None = None,
+        self, cfg: CheckpointConfig, root: Path, rank: int, degrees: Degrees, *, model: ModelConfig | None = None,
+        faults: FaultHook | None = None,
     ):  # fmt: skip
-        self.cfg, self.root, self.rank, self.world_size, self.model = cfg, root, rank, world_size, model
-        self.tensor_parallel, self.context_parallel, self.faults = tensor_parallel, context_parallel, faults
+        self.cfg, self.root, self.rank, self.degrees, self.model, self.faults = cfg, root, rank, degrees, model, faults
         # Async saves run their collectives on a gloo group of their own, off the training stream.
         self.async_group = dist.new_group(backend="gloo") if cfg.format == "dcp_async" else None
         self.pending = None  # (future, partial dir, step) of an async save in flight
@@ -160,8 +160,9 @@ class CheckpointManager:
         if self.rank != 0:
             return
         files = {p.name: p.stat().st_size for p in partial.iterdir() if p.is_file()}
-        marker = {"step": step, "world_size": self.world_size, "tensor_parallel": self.tensor_parallel,
-                  "context_parallel": self.context_parallel, "torch": torch.__version__, "files": files}  # fmt: skip
+        d = self.degrees
+        marker = {"step": step, "world_size": d.world_size, "tensor_parallel": d.tp, "context_parallel": d.cp,
+                  "torch": torch.__version__, "files": files}  # fmt: skip
         if self.model is not None:
             marker[MODEL] = dataclasses.asdict(self.model)
         _write_durably(partial / MARKER, json.dumps(marker, indent=1, default=str))  # a [model] field JSON lacks: str
@@ -210,7 +211,7 @@ class CheckpointManager:
         marker = json.loads((path / MARKER).read_text())
         # Markers written before tensor or context parallelism existed: 1.
         saved = marker["world_size"], marker.get("tensor_parallel", 1), marker.get("context_parallel", 1)
-        now = self.world_size, self.tensor_parallel, self.context_parallel
+        now = self.degrees.world_size, self.degrees.tp, self.degrees.cp
         state.restore_per_rank = saved == now
         if not state.restore_per_rank:
             per_rank = "RNG states and per-rank data positions" if state.loader.rank_sharded else "RNG states"

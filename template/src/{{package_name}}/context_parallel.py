@@ -31,7 +31,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .config import UsageError
 from .models.spec import ContextParallelPlan
 
 
@@ -123,24 +122,3 @@ def apply_cp(model: nn.Module, mesh, plan: ContextParallelPlan) -> None:
     for block in model.layers:
         parent = block.get_submodule(parent_path)
         setattr(parent, name, UlyssesAttention(getattr(parent, name), group, degree))
-
-
-def check_context_parallel(degree: int, tensor_parallel: int, world_size: int, local_world_size: int) -> None:
-    """Refuse a context-parallel group that does not fit the world and its nodes.
-
-    Each block all-to-alls q, k, v and its output over the group, so the group (times the tensor-parallel
-    ranks inside it) stays on the link between a node's devices; FSDP shards across the groups.
-    """
-    span = degree * tensor_parallel
-    if degree <= 1 or (local_world_size % span == 0 and world_size % span == 0):
-        return
-    ranks = f"parallel.context_parallel={degree}" + (
-        f" x parallel.tensor_parallel={tensor_parallel} = {span} ranks" if tensor_parallel > 1 else ""
-    )
-    fits = [d for d in range(1, local_world_size // tensor_parallel + 1)
-            if (local_world_size // tensor_parallel) % d == 0 and world_size % (d * tensor_parallel) == 0]  # fmt: skip
-    raise UsageError(
-        f"{ranks} must divide the ranks of each node ({local_world_size}) and the world size ({world_size}): a "
-        f"context-parallel group exchanges every block's attention inputs and must sit within one node; choose "
-        f"parallel.context_parallel among {fits}"
-    )

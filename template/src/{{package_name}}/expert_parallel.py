@@ -32,6 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from .config import UsageError
+from .distributed import Degrees
 from .models import ModelShape
 from .models.spec import StateDict
 
@@ -196,31 +197,27 @@ def has_per_parameter_mesh() -> bool:
     return hasattr(_fsdp_common, "ShardPlacementResult")
 
 
-def check_expert_parallel(*, degree: int, shape: ModelShape, world_size: int, shard_size: int) -> None:
-    """Refuse a degree that does not split the data-parallel ranks, or leaves FSDP an expert it cannot shard
-    (a model with experts only: a dense model's config refuses any degree but 1).
+def check_expert_parallel(*, shape: ModelShape, degrees: Degrees) -> None:
+    """Refuse a degree this torch cannot run, or one that leaves FSDP an expert it cannot shard (a model with experts
+    only: a dense model's config refuses any degree but 1; Degrees.check refuses one that does not divide the ranks
+    that shard each weight).
 
-    `shard_size`: the ranks FSDP shards a weight over (the world, or hybrid's shard group). FSDP shards an
-    expert along its second dimension (models/qwen3_moe/moe.py GroupedExperts), evenly: the hidden size and
-    one expert's width must split over the shard_size / degree ranks that share it.
+    FSDP shards an expert along its second dimension (models/qwen3_moe/moe.py GroupedExperts), evenly: the hidden
+    size and one expert's width must split over the degrees.efsdp ranks that share it (all of the shard group's
+    without expert parallelism).
     """
     if not shape.experts:
         return
+    efsdp, degree = degrees.efsdp, degrees.ep
     if degree > 1 and not has_per_parameter_mesh():
         raise UsageError(
             f"parallel.expert_parallel={degree} needs torch {PER_PARAMETER_MESH_TORCH} or newer (fully_shard's mesh "
             f"per parameter, ShardPlacementResult); this is torch {torch.__version__}: install torch>="
             f"{PER_PARAMETER_MESH_TORCH}, or set parallel.expert_parallel=1"
         )
-    if degree > shard_size or shard_size % degree:
-        raise UsageError(
-            f"parallel.expert_parallel={degree} must divide the {shard_size} ranks that shard each weight (world size "
-            f"{world_size}): a group of that many ranks splits the experts; choose a divisor of {shard_size}"
-        )
-    efsdp = shard_size // degree
     if shape.h % efsdp or shape.f % efsdp:
         raise UsageError(
-            f"parallel.expert_parallel={degree} at world size {world_size} leaves {efsdp} ranks to shard each expert, "
-            f"which must divide both model.dim={shape.h} and the experts' width (model.moe_intermediate_size) "
+            f"parallel.expert_parallel={degree} at world size {degrees.world_size} leaves {efsdp} ranks to shard each "
+            f"expert, which must divide both model.dim={shape.h} and the experts' width (model.moe_intermediate_size) "
             f"{shape.f}: choose a degree that leaves a divisor of both"
         )

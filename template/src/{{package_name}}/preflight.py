@@ -16,13 +16,12 @@ from pathlib import Path
 
 from .checkpoint import check_resume, check_resume_finetune
 from .config import Config
-from .context_parallel import check_context_parallel
 from .data import check_data
 from .distributed import (
     Rendezvous,
     check_backend,
     check_init_method,
-    check_tensor_parallel,
+    degrees_of,
     planned_rendezvous,
     resolve_backend,
     resolve_device,
@@ -41,21 +40,16 @@ def check(cfg: Config, rdzv: Rendezvous) -> None:
     load, the backend (UsageError, naming the setting and the fix)."""
     device = resolve_device(cfg.device, rdzv.local_rank)
     p, run_dir = cfg.parallel, Path(cfg.run_dir)
-    check_tensor_parallel(p.tensor_parallel, rdzv.world_size, rdzv.local_world_size)
-    check_context_parallel(p.context_parallel, p.tensor_parallel, rdzv.world_size, rdzv.local_world_size)
-    if p.sharding != "no_shard":  # the ranks that shard a weight: the data-parallel ones, or hybrid's shard group
-        tp = p.tensor_parallel
-        shards = p.hsdp_shard_size or rdzv.local_world_size // tp if p.sharding == "hybrid" else rdzv.world_size // tp
-        check_expert_parallel(degree=p.expert_parallel, shape=model_spec(cfg.model.name).shape(cfg.model),
-                              world_size=rdzv.world_size, shard_size=shards)  # fmt: skip
+    degrees = degrees_of(p, world_size=rdzv.world_size, ranks_per_node=rdzv.local_world_size)
+    degrees.check()
+    check_expert_parallel(shape=model_spec(cfg.model.name).shape(cfg.model), degrees=degrees)
     check_plan(
         model=cfg.model, train=cfg.train, parallel=p, hardware=cfg.hardware, finetune=cfg.finetune,
         checkpoint=cfg.checkpoint, world_size=rdzv.world_size, device=device, local_world_size=rdzv.local_world_size,
     )  # fmt: skip
-    # A tensor- or context-parallel group shares its batches: the data splits over the groups.
-    group = p.tensor_parallel * p.context_parallel
-    check_data(data=cfg.data, train=cfg.train, eval=cfg.eval, model=cfg.model, rank=rdzv.rank // group,
-               world_size=rdzv.world_size // group)  # fmt: skip
+    # A tensor- or context-parallel group shares its batches: the data splits over the data-parallel ranks.
+    check_data(data=cfg.data, train=cfg.train, eval=cfg.eval, model=cfg.model, rank=degrees.dp_rank(rdzv.rank),
+               world_size=degrees.dp)  # fmt: skip
     check_resume(cfg.checkpoint)
     check_resume_model(checkpoint=cfg.checkpoint, model=cfg.model, spec=model_spec(cfg.model.name), run_dir=run_dir)
     check_resume_finetune(checkpoint=cfg.checkpoint, finetune=cfg.finetune, run_dir=run_dir)

@@ -27,6 +27,7 @@ from .data import HeldOut, Loader, build_held_out, build_loader, source_spec
 from .distributed import (
     DistEnv,
     build_mesh,
+    degrees_of,
     expert_mesh,
     init_process_group,
     rendezvous_from_env,
@@ -95,8 +96,7 @@ def build_run(cfg: Config, *, env: DistEnv | None = None, faults: FaultHook | No
         env = init_distributed(device=cfg.device, dist=cfg.dist, parallel=cfg.parallel, seed=cfg.train.seed)
     strategy = build_strategy(cfg.parallel, env.mesh, env.device)
     root = Path(cfg.run_dir) / "checkpoints"
-    checkpoints = CheckpointManager(cfg.checkpoint, root, env.rank, env.world_size, env.tensor_parallel,
-                                    context_parallel=env.context_parallel, model=cfg.model, faults=faults)  # fmt: skip
+    checkpoints = CheckpointManager(cfg.checkpoint, root, env.rank, env.degrees, model=cfg.model, faults=faults)
     if cfg.eval.only:
         resume = checkpoint_to_evaluate(checkpoint=cfg.checkpoint, run_dir=Path(cfg.run_dir), rank=env.rank)
     else:
@@ -107,11 +107,12 @@ def build_run(cfg: Config, *, env: DistEnv | None = None, faults: FaultHook | No
     )  # fmt: skip
     optimizer, scheduler = build_optimizer(model, train=cfg.train, strategy=strategy)
     data = {"data": cfg.data, "train": cfg.train, "eval": cfg.eval, "model": cfg.model}
-    ranks = {"rank": env.dp_rank, "world_size": env.dp_size, "device": env.device}
+    ranks = {"rank": env.degrees.dp_rank(env.rank), "world_size": env.degrees.dp, "device": env.device}
     loader, held_out = build_loader(**data, **ranks), build_held_out(**data, **ranks)
     step_context = build_step_context(
         parallel=cfg.parallel, train=cfg.train, unscored_targets=source_spec(cfg.data.source).unscored_targets,
-        strategy=strategy, device=env.device, cp_rank=env.cp_rank, model=strategy.unwrap(model),
+        strategy=strategy, device=env.device, cp_rank=env.degrees.cp_rank(env.rank), cp=env.degrees.cp,
+        model=strategy.unwrap(model),
     )  # fmt: skip
     state = TrainState(model, optimizer, scheduler, loader, env.rank, strategy)
     return Run(cfg, env, strategy, spec, model, optimizer, scheduler, loader, held_out, checkpoints, state,
@@ -128,13 +129,13 @@ def init_distributed(*, device: str, dist: DistConfig, parallel: ParallelConfig,
         torch.accelerator.set_device_index(on.index)
     strategy_class(parallel).before_process_group()
     init_process_group(rdzv, on, backend, dist.init_method, dist.init_timeout_s)
-    tp, cp = parallel.tensor_parallel, parallel.context_parallel
-    shard_size = parallel.hsdp_shard_size or rdzv.local_world_size // (tp * cp)
-    mesh = build_mesh(parallel.sharding, on.type, rdzv.world_size, shard_size, tp, cp)
-    experts = expert_mesh(mesh, parallel.expert_parallel)
+    degrees = degrees_of(parallel, world_size=rdzv.world_size, ranks_per_node=rdzv.local_world_size)
+    degrees.check()  # preflight has (a probe or a test may come here without it)
+    mesh = build_mesh(on.type, degrees)
+    experts = expert_mesh(mesh, degrees)
     torch.manual_seed(seed)
     logger.info("world size %d on %s, backend %s, mesh %s", rdzv.world_size, on, backend, experts or mesh)
-    return DistEnv(rdzv.rank, rdzv.world_size, rdzv.local_world_size, on, backend, mesh, tp, cp, experts)
+    return DistEnv(rdzv.rank, rdzv.world_size, rdzv.local_world_size, on, backend, mesh, degrees, experts)
 
 
 def build_model_meta(

@@ -91,12 +91,11 @@ class RouterBalance:
 
 def build_step_context(
     *, parallel: ParallelConfig, train: TrainConfig, unscored_targets: bool, strategy: Strategy, device: torch.device,
-    cp_rank: int = 0, model: nn.Module | None = None,
+    cp_rank: int = 0, cp: int = 1, model: nn.Module | None = None,
 ) -> StepContext:  # fmt: skip
     """The step's settings; `unscored_targets` says the data source may mark targets IGNORE_INDEX (its
-    SourceSpec's), `cp_rank` is this rank's place in its context-parallel group, `model` the model itself
-    (strategy.unwrap), whose aux_loss makes it a mixture of experts."""
-    degree = parallel.context_parallel
+    SourceSpec's), `cp_rank` is this rank's place in its context-parallel group of `cp` ranks (distributed.Degrees),
+    `model` the model itself (strategy.unwrap), whose aux_loss makes it a mixture of experts."""
     experts = RouterBalance(model, strategy.dp_group) if hasattr(model, "aux_loss") else None
     return StepContext(
         strategy=strategy,
@@ -105,7 +104,7 @@ def build_step_context(
         max_grad_norm=train.max_grad_norm,
         device=device,
         scored_targets_only=unscored_targets,
-        sequence_split=SequenceSplit(cp_rank, degree) if degree > 1 else None,
+        sequence_split=SequenceSplit(cp_rank, cp) if cp > 1 else None,
         experts=experts,
     )
 

@@ -9,15 +9,16 @@ differ from the hardware the repo was generated for, prints the plan on them and
 `copier update` command that re-sizes the repo. At start-up the trainer checks the plan against
 the live world size, device memory and RAM (check.py's `check_plan`).
 
-The template chose the repo's defaults with the same formulas, written in Jinja (the template's
-hooks/plan.jinja); its tests hold the two together on a grid of inputs. Each formula is written
-once here, in the docstring of the function that computes it:
+The template chose the repo's defaults with the same formulas, written in Jinja as macros of the
+same names (the template's hooks/plan.jinja); its tests hold the two together on a grid of inputs.
+Each formula is written once here, in the docstring of the function that computes it:
 
     memory.py          memory_plan: the device bytes per rank (parameters, gradients, optimizer
                        state, gathered blocks, activations) and their peak (MemoryPlan.total);
                        activation_bytes_per_token: what a block keeps per token, which the model's
                        shape declares (models/llama/shape.py, models/hf_causal_lm/shape.py); block_gather_bytes,
-                       adapter_params (LoRA), shard_group, grad_accum
+                       adapter_params (LoRA), grad_accum, planned_degrees (distributed.Degrees on the
+                       planned hardware: the shard group, the data-parallel ranks)
     host.py            host_memory_plan: a node's RAM by term and its peak (HostPlan.total);
                        check_host_memory, which refuses a node without room and names what fits
     communication.py   communication_bytes (FSDP and DDP), tensor_parallel_bytes, context_parallel_bytes,
@@ -72,8 +73,8 @@ from .memory import (
     lora_of,
     memory_plan,
     plan_for,
+    planned_degrees,
     sequence_parallel,
-    shard_group,
 )
 
 __all__ = [
@@ -108,12 +109,12 @@ __all__ = [
     "lora_of",
     "memory_plan",
     "plan_for",
+    "planned_degrees",
     "recommend",
     "recommend_context_parallel",
     "recommend_expert_parallel",
     "recommend_tensor_parallel",
     "sequence_parallel",
-    "shard_group",
     "sharding_candidates",
     "step_seconds",
     "tensor_parallel_bytes",

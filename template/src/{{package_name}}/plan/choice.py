@@ -1,7 +1,7 @@
 """The planner's picks: the cheapest sharding, activation checkpointing and offload that fit, the tensor-
 and expert-parallel degrees with the cheapest estimated step, and the smallest context-parallel degree
-with which the sequence fits. The same search ran at question time (hooks/plan.jinja's best_given,
-recommend, recommend_tp, recommend_ep and recommend_cp) to choose the repo's defaults; the trainer's
+with which the sequence fits. The same search ran at question time (the template's hooks/plan.jinja, whose
+macros have these functions' names) to choose the repo's defaults; the trainer's
 checks, `python -m <package>.plan` and its re-sizing advice run it on the live config."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from .communication import (
     tensor_parallel_bytes,
 )
 from .host import host_plan_for
-from .memory import AC_MODES, plan_for
+from .memory import AC_MODES, plan_for, planned_degrees
 
 
 def sharding_candidates(
@@ -129,17 +129,17 @@ def tensor_parallel_degrees(
 
 def largest_fitting_micro_batch(
     *, model: ModelConfig, train: TrainConfig, parallel: ParallelConfig, hardware: HardwareConfig,
-    finetune: FinetuneConfig, checkpoint: CheckpointConfig, start: int, ranks_per_batch: int,
+    finetune: FinetuneConfig, checkpoint: CheckpointConfig, start: int,
 ) -> tuple[int, tuple[str, str, bool]] | None:  # fmt: skip
     """The largest halving of `start` sequences per GPU (twelve halvings at most) whose cheapest plan fits, with
-    that plan (AC mode, sharding, offload); None when none fits. `ranks_per_batch` GPUs read the same sequences
-    (a tensor- or context-parallel group), so the global batch is micro x world / ranks_per_batch."""
-    world = hardware.gpus_per_node * hardware.num_nodes
+    that plan (AC mode, sharding, offload); None when none fits. A tensor- or context-parallel group reads the
+    same sequences, so the global batch is micro x the data-parallel ranks."""
+    dp = planned_degrees(parallel=parallel, hardware=hardware).dp
     for i in range(12):
         micro = start // 2**i
         if micro < 1:
             return None
-        batch = replace(train, micro_batch_size=micro, global_batch_size=micro * world // ranks_per_batch)
+        batch = replace(train, micro_batch_size=micro, global_batch_size=micro * dp)
         choice = cheapest(model=model, train=batch, parallel=parallel, hardware=hardware, finetune=finetune,
                           checkpoint=checkpoint)  # fmt: skip
         if choice:
@@ -157,22 +157,20 @@ def estimate_tensor_parallel(
     the global batch) matches FSDP alone's until the memory runs out. Compute is 6 P FLOPs a token at
     MFU, a third more with full recomputation.
     """
-    hw, s, cp = hardware, model_shape(model), parallel.context_parallel  # cp: the groups read the same batches
-    world, precision = hw.gpus_per_node * hw.num_nodes, parallel.mixed_precision
-    fit = largest_fitting_micro_batch(model=model, train=train, parallel=replace(parallel, tensor_parallel=degree),
-                                      hardware=hw, finetune=finetune, checkpoint=checkpoint,
-                                      start=base_micro_batch * degree, ranks_per_batch=degree * cp)  # fmt: skip
+    hw, s, trial = hardware, model_shape(model), replace(parallel, tensor_parallel=degree)
+    precision, degrees = parallel.mixed_precision, planned_degrees(parallel=trial, hardware=hw)
+    fit = largest_fitting_micro_batch(model=model, train=train, parallel=trial, hardware=hw, finetune=finetune,
+                                      checkpoint=checkpoint, start=base_micro_batch * degree)  # fmt: skip
     if fit is None:
         return None
     micro, (ac, sharding, offload) = fit
-    tokens = micro * train.seq_len // cp  # per tensor-parallel group and step
+    tokens = micro * train.seq_len // degrees.cp  # per tensor-parallel group and step
     compute = 6 * s.P * tokens / degree / (MFU * peak_flops(hardware=hw)) * (4 / 3 if ac == "full" else 1)
     sent = communication_bytes(s, sharding, precision, hw.gpus_per_node, hw.num_nodes, False, parallel.float8,
                                tensor_parallel=degree)  # fmt: skip
     tp = link_seconds({"intra": tensor_parallel_bytes(s, precision, ac, degree, tokens), "inter": 0.0}, hardware=hw)
-    return DegreeEstimate(
-        degree, micro, ac, sharding, offload, compute, link_seconds(sent, hardware=hw), tp, tokens * world // degree
-    )
+    fsdp, everyone = link_seconds(sent, hardware=hw), micro * train.seq_len * degrees.dp  # tokens per step
+    return DegreeEstimate(degree, micro, ac, sharding, offload, compute, fsdp, tp, everyone)
 
 
 def recommend_tensor_parallel(
@@ -203,14 +201,13 @@ def context_parallel_degrees(
     """1, and the degrees that split every sequence over ranks of one node: each divides the GPUs a node has per
     tensor-parallel group, the query heads of a rank (the model's plan checks them), and the sequence into 2 x
     degree chunks (of a multiple of the tensor-parallel degree where sequence parallelism splits them again)."""
-    spec, t = model_spec(model.name), parallel.tensor_parallel
-    if hardware.accelerator == "cpu" or spec.cp_plan is None or hardware.gpus_per_node % t:
+    spec, t, per_node, seq = model_spec(model.name), parallel.tensor_parallel, hardware.gpus_per_node, train.seq_len
+    if hardware.accelerator == "cpu" or spec.cp_plan is None or per_node % t:
         return [1]
-    per_node, seq = hardware.gpus_per_node // t, train.seq_len
     return [1] + [
         c
         for c in range(2, per_node + 1)
-        if per_node % c == 0 and not spec.cp_plan.check(model, c, t) and seq % (2 * c) == 0 and seq // c % t == 0
+        if per_node % (c * t) == 0 and not spec.cp_plan.check(model, c, t) and seq % (2 * c) == 0 and seq // c % t == 0
     ]
 
 
@@ -223,10 +220,9 @@ def recommend_context_parallel(
     the global batch shrinks with it); the largest degree when none fits (the checks then refuse it). Each
     degree is planned as the template writes its config: one micro-batch per data-parallel rank a step."""
     degrees = context_parallel_degrees(model=model, train=train, parallel=parallel, hardware=hardware)
-    world = hardware.gpus_per_node * hardware.num_nodes
     for degree in degrees:
         trial = replace(parallel, context_parallel=degree)
-        dp = max(world // (parallel.tensor_parallel * degree), 1)
+        dp = planned_degrees(parallel=trial, hardware=hardware).dp
         batch = replace(train, global_batch_size=train.micro_batch_size * dp)
         if cheapest(model=model, train=batch, parallel=trial, hardware=hardware, finetune=finetune,
                     checkpoint=checkpoint):  # fmt: skip
@@ -253,11 +249,10 @@ def estimate_expert_parallel(
     finetune: FinetuneConfig, checkpoint: CheckpointConfig, degree: int, base_micro_batch: int,
 ) -> DegreeEstimate | None:  # fmt: skip
     """The cheapest plan with expert-parallel `degree` at train's sequence length; None when no micro-batch fits."""
-    hw, s = hardware, model_shape(model)
+    hw, s, trial = hardware, model_shape(model), replace(parallel, expert_parallel=degree)
     world, precision = hw.gpus_per_node * hw.num_nodes, parallel.mixed_precision
-    fit = largest_fitting_micro_batch(model=model, train=train, parallel=replace(parallel, expert_parallel=degree),
-                                      hardware=hw, finetune=finetune, checkpoint=checkpoint,
-                                      start=base_micro_batch, ranks_per_batch=1)  # fmt: skip
+    fit = largest_fitting_micro_batch(model=model, train=train, parallel=trial, hardware=hw, finetune=finetune,
+                                      checkpoint=checkpoint, start=base_micro_batch)  # fmt: skip
     if fit is None:
         return None
     micro, (ac, sharding, offload) = fit

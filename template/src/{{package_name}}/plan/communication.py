@@ -1,15 +1,16 @@
 """What a step sends and how long that takes against its compute. Memory decides what fits;
 communication decides, among the plans that fit, which is fast: FSDP's collectives overlap with
 compute only while they take less time than it, and tensor and context parallelism's do not overlap
-at all. hooks/plan.jinja's communication, tp_communication and cp_communication compute the same bytes
-at question time."""
+at all. The template's hooks/plan.jinja computes the same bytes at question time, with macros of the same
+names."""
 
 from __future__ import annotations
 
 from ..config import FinetuneConfig, HardwareConfig, ParallelConfig, TrainConfig
+from ..distributed import parallel_degrees
 from ..models import ModelShape
 from ..presets import GPU_ARCHS, LINK_GBPS, LORA, PEAK_TFLOPS
-from .memory import adapter_params, block_gather_bytes, lora_of
+from .memory import adapter_params, block_gather_bytes, lora_of, planned_degrees
 
 # Peak TFLOP/s by generation (its flagship device's), for the compute side of the estimates; XPU and CPU
 # plans assume an A100.
@@ -38,21 +39,25 @@ def communication_bytes(
     share them; the all-to-all of the tokens is expert_parallel_bytes.
     """
     p, t = (4 if precision == "fp32" else 2), tensor_parallel
-    world = gpus_per_node * num_nodes
+    degrees = parallel_degrees(sharding, world_size=gpus_per_node * num_nodes, ranks_per_node=gpus_per_node, tp=t,
+                               ep=expert_parallel)  # fmt: skip
     adapters = adapter_params(s, lora_rank, lora_targets)
     trained = s.L * adapters if lora_rank else s.P
     gather = (s.L * block_gather_bytes(s, p, sharding, float8, adapters) + s.Pn * p) / t  # one all-gather of everything
     if sharding == "no_shard":
-        volume, group = (3 if zero_optimizer else 2) * trained * 4, world
+        volume = (3 if zero_optimizer else 2) * trained * 4
     elif sharding == "shard_grad_op":
-        volume, group = gather + trained * 4 / t, world // t
+        volume = gather + trained * 4 / t
     else:
-        volume, group = 2 * gather + trained * 4 / t, (gpus_per_node if sharding == "hybrid" else world) // t
+        volume = 2 * gather + trained * 4 / t
+    # DDP all-reduces over every rank (it is not combined with the other degrees), FSDP gathers and reduce-scatters
+    # over the ranks of one copy.
+    group = degrees.world_size if sharding == "no_shard" else degrees.shard_group
     sent = volume * (group - 1) / group
     if expert_parallel > 1 and sharding != "no_shard":  # the routed experts travel among fewer ranks, less of them
-        e, routed = expert_parallel, s.sparse_layers * s.routed_params
+        e, routed, efsdp = expert_parallel, s.sparse_layers * s.routed_params, degrees.efsdp
         experts = ((1 if sharding == "shard_grad_op" else 2) * routed * p + routed * 4) / t
-        sent = (volume - experts) * (group - 1) / group + experts / e * (group / e - 1) / (group / e)
+        sent = (volume - experts) * (group - 1) / group + experts / e * (efsdp - 1) / efsdp
     if sharding == "hybrid":  # plus the all-reduce of each shard across the nodes
         return {"intra": sent, "inter": 2 * (trained / gpus_per_node) * 4 * (num_nodes - 1) / num_nodes}
     return {"intra": sent if num_nodes == 1 else 0.0, "inter": sent if num_nodes > 1 else 0.0}
@@ -155,8 +160,8 @@ def tensor_parallel_seconds(
 ) -> float:
     """Seconds per step that tensor parallelism's collectives take on the link inside a node, which compute
     waits for."""
-    t = parallel.tensor_parallel
-    tokens = train.global_batch_size * train.seq_len * t // (hardware.gpus_per_node * hardware.num_nodes)
+    t, degrees = parallel.tensor_parallel, planned_degrees(parallel=parallel, hardware=hardware)
+    tokens = train.global_batch_size * train.seq_len // (degrees.dp * degrees.cp)  # a tensor-parallel group's
     sent = tensor_parallel_bytes(s, parallel.mixed_precision, parallel.activation_checkpointing, t, tokens)
     return sent / (LINK_GBPS[hardware.intra_node_link] * 1e9)
 
@@ -167,7 +172,7 @@ def context_parallel_seconds(
     """Seconds per step that context parallelism's all-to-alls take on the link inside a node, which compute
     waits for."""
     c, t = parallel.context_parallel, parallel.tensor_parallel
-    tokens = train.global_batch_size * train.seq_len * c * t // (hardware.gpus_per_node * hardware.num_nodes)
+    tokens = train.global_batch_size * train.seq_len // planned_degrees(parallel=parallel, hardware=hardware).dp
     sent = context_parallel_bytes(s, parallel.mixed_precision, parallel.activation_checkpointing, t, c, tokens)
     if not sent:  # no context parallelism (and perhaps one rank a node, and no link to name)
         return 0.0

@@ -9,6 +9,7 @@ import functools
 from dataclasses import dataclass
 
 from ..config import FinetuneConfig, HardwareConfig, ParallelConfig, TrainConfig
+from ..distributed import Degrees, parallel_degrees
 from ..models import ModelConfig, ModelShape, model_shape, model_spec
 from ..presets import HEADROOM, LORA
 
@@ -46,12 +47,12 @@ class MemoryPlan:
         return self.total <= HEADROOM * gpu_memory_gb * GIB
 
 
-def shard_group(sharding: str, gpus_per_node: int, num_nodes: int, tensor_parallel: int = 1) -> int:
-    """Data-parallel ranks (tensor-parallel groups) that share one copy of the model state: hybrid
-    replicates it per node, DDP on every rank. Context-parallel ranks are among them: FSDP shards over
-    data-parallel x context-parallel ranks (distributed.build_mesh's "dp_shard_cp")."""
-    per_node = gpus_per_node // tensor_parallel
-    return {"hybrid": per_node, "no_shard": 1}.get(sharding, per_node * num_nodes)
+def planned_degrees(*, parallel: ParallelConfig, hardware: HardwareConfig) -> Degrees:
+    """The degrees of `parallel` on the planned hardware (distributed.parallel_degrees), as memory_plan prices
+    them: hybrid's shard group is one node, as the template's questions plan it."""
+    hw, p = hardware, parallel
+    return parallel_degrees(p.sharding, world_size=hw.gpus_per_node * hw.num_nodes, ranks_per_node=hw.gpus_per_node,
+                            tp=p.tensor_parallel, cp=p.context_parallel, ep=p.expert_parallel)  # fmt: skip
 
 
 def memory_plan(
@@ -62,10 +63,11 @@ def memory_plan(
     context_parallel: int = 1, expert_parallel: int = 1,
 ) -> MemoryPlan:  # fmt: skip
     """Bytes per rank of each term, for the model's shape `s` (P parameters, Pb per block, Pn outside the
-    blocks, L blocks, vocabulary V), p bytes per element of the compute dtype, G = shard_group ranks
-    sharing the state, t = tensor_parallel, c = context_parallel and T = micro_batch_size x seq_len / c
-    tokens a rank holds (a ViT's: its patches; context parallelism splits every sequence over c ranks, which
-    hold the parameters' shards together with the data-parallel ones, so only the activations change):
+    blocks, L blocks, vocabulary V), p bytes per element of the compute dtype, G = the shard group's ranks
+    sharing the state (distributed.Degrees.shard_group: one copy's data-parallel ranks times c), t =
+    tensor_parallel, c = context_parallel and T = micro_batch_size x seq_len / c tokens a rank holds (a
+    ViT's: its patches; context parallelism splits every sequence over c ranks, which hold the parameters'
+    shards together with the data-parallel ones, so only the activations change):
 
         params, grads, optim  4P, 4P and 8P over G t: fp32 parameters (FSDP2 keeps the sharded ones in
                     their own dtype: these are the master weights), gradients and AdamW's two moments;
@@ -103,12 +105,14 @@ def memory_plan(
     if expert_parallel > 1:  # this rank gathers and reduces 1/e of the routed experts
         trained_block -= s.routed_params * (expert_parallel - 1) / expert_parallel
     block = block_gather_bytes(s, p, sharding, float8, adapters, expert_parallel) / t
-    group = shard_group(sharding, gpus_per_node, num_nodes, t)
+    degrees = parallel_degrees(sharding, world_size=gpus_per_node * num_nodes, ranks_per_node=gpus_per_node, tp=t,
+                               cp=context_parallel, ep=expert_parallel)  # fmt: skip
+    group = degrees.shard_group
     # LoRA stores the frozen weights in the compute dtype (models/lora.py's apply_lora).
     stored = p * s.P + 4 * s.L * adapters if lora_rank else 4 * s.P
     params, grads, optim = stored / (group * t), 4 * trained / (group * t), 8 * trained / (group * t)
     if sharding == "no_shard" and zero_optimizer:
-        optim = 8 * trained / (gpus_per_node * num_nodes)
+        optim = 8 * trained / degrees.world_size
     if grad_accum == 1 or (cpu_offload and (sync_every_microbatch or sharding == "hybrid")):
         grads_live = 0
     elif sharding in ("no_shard", "hybrid") or sync_every_microbatch:
@@ -171,7 +175,7 @@ def activation_bytes_per_token(
 def grad_accum(*, train: TrainConfig, parallel: ParallelConfig, hardware: HardwareConfig) -> int:
     """Micro-batches per step on the planned world size, which decide whether gradients live through the
     forward pass (1 when the batch does not split). Tensor- and context-parallel groups share their batches."""
-    dp = max(hardware.gpus_per_node * hardware.num_nodes // (parallel.tensor_parallel * parallel.context_parallel), 1)
+    dp = planned_degrees(parallel=parallel, hardware=hardware).dp
     return max(train.global_batch_size // (train.micro_batch_size * dp), 1)
 
 

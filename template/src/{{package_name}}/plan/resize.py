@@ -21,6 +21,7 @@ from . import (
     grad_accum,
     host_plan_for,
     plan_for,
+    planned_degrees,
     recommend,
     recommend_context_parallel,
     recommend_expert_parallel,
@@ -85,7 +86,7 @@ def with_answers(
                      "tensor_parallel", "context_parallel", "expert_parallel")  # fmt: skip
     new = replace(parallel, **{k: answers[k] for k in parallel_keys if k in answers})
     micro = answers.get("micro_batch_size", train.micro_batch_size)
-    dp = max(live.gpus_per_node * live.num_nodes // (new.tensor_parallel * new.context_parallel), 1)
+    dp = planned_degrees(parallel=new, hardware=live).dp
     accum = grad_accum(train=train, parallel=parallel, hardware=hardware)
     batch = replace(train, micro_batch_size=micro, global_batch_size=micro * dp * accum,
                     seq_len=answers.get("seq_len", train.seq_len))  # fmt: skip

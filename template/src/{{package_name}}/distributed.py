@@ -1,4 +1,3 @@
-{%- from "hooks/backends.jinja" import BACKEND_TABLE, REQUIRED_OPS -%}
 """Process-group plumbing: rank discovery, device and backend choice, meshes, timeouts, agreement between ranks."""
 
 from __future__ import annotations
@@ -15,37 +14,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from .config import JOB_WIDE, UsageError
+from .config import JOB_WIDE, ParallelConfig, UsageError
+from .presets import BACKEND_TABLE, REQUIRED_OPS
 
 logger = logging.getLogger(__name__)
-
-# The collective-support table of https://docs.pytorch.org/docs/stable/distributed.html#backends,
-# rendered from the same data copier validated the answers with (hooks/backends.jinja).
-# Per backend: the device kinds it runs on, and the operations it lacks there
-# ("x": unsupported, "?": depends on how PyTorch and MPI were built).
-BACKEND_TABLE: dict[str, dict[str, dict[str, str]]] = {
-{%- for backend, devices in BACKEND_TABLE.items() %}
-    "{{ backend }}": {
-    {%- for device, ops in devices.items() %}
-        {%- if ops %}
-        "{{ device }}": {
-            {%- for op, mark in ops.items() %}
-            "{{ op }}": "{{ mark }}",
-            {%- endfor %}
-        },
-        {%- else %}
-        "{{ device }}": {},
-        {%- endif %}
-    {%- endfor %}
-    },
-{%- endfor %}
-}
-# Collectives this repo issues, per sharding mode; nothing calls send, recv or barrier.
-REQUIRED_OPS: dict[str, tuple[str, ...]] = {
-{%- for sharding, ops in REQUIRED_OPS.items() %}
-    "{{ sharding }}": ({% for op in ops %}"{{ op }}"{{ ", " if not loop.last }}{% endfor %}),
-{%- endfor %}
-}
 
 
 @dataclass(frozen=True)
@@ -54,6 +26,123 @@ class Rendezvous:
     world_size: int
     local_rank: int
     local_world_size: int
+
+
+@dataclass(frozen=True)
+class Degrees:
+    """How the job's ranks split the work (torchtitan's ParallelDims), built once from the config and the world
+    size (parallel_degrees) and refused in one place (check): the only source of the mesh, the groups, the data's
+    ranks, the checkpoints' layout and the planner's degrees. No other module derives one degree from another.
+
+    Ranks are laid out as (dp_replicate, dp_shard, cp, tp), the last the fastest: tensor- and context-parallel
+    groups are neighbouring ranks of a node, the data-parallel dimensions run across them. Expert parallelism
+    splits dp_shard into (efsdp, ep). pp is room for pipeline parallelism, 1 until it lands."""
+
+    sharding: str
+    """How the data-parallel ranks hold the model state: full, shard_grad_op, hybrid or no_shard (DDP)."""
+    world_size: int
+    ranks_per_node: int
+    dp_replicate: int
+    """Copies of the model state: hybrid's replicas (one per shard group), DDP's ranks; 1 for full, shard_grad_op."""
+    dp_shard: int
+    """Data-parallel ranks that shard one copy: hybrid's shard group, all for full and shard_grad_op; 1 for DDP."""
+    cp: int = 1
+    """Ranks that split every sequence, fed the same batches."""
+    tp: int = 1
+    """Ranks that split every layer, fed the same batches."""
+    ep: int = 1
+    """Ranks of dp_shard that split the experts."""
+    pp: int = 1
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel ranks: the ways every global batch splits (a tensor- or context-parallel group shares one)."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def shard_group(self) -> int:
+        """Ranks that share one copy of the model state, each holding 1/tp of it: FSDP shards over the shards and
+        the context-parallel ranks (build_mesh's "dp_shard_cp"); 1 for DDP, whose ranks each hold all of it."""
+        return 1 if self.sharding == "no_shard" else self.dp_shard * self.cp
+
+    @property
+    def efsdp(self) -> int:
+        """Ranks that shard one expert: the shard group's ranks that hold the same experts (expert_mesh)."""
+        return self.dp_shard // self.ep
+
+    @property
+    def sharded(self) -> bool:
+        """Whether any weight is split over ranks (FSDP's shards, a tensor- or context-parallel group): False on
+        one rank, and for DDP, whose ranks each hold everything."""
+        return self.shard_group * self.tp > 1
+
+    def dp_rank(self, rank: int) -> int:
+        """`rank`'s data-parallel index: which slice of every global batch it trains on."""
+        return rank // (self.cp * self.tp) % self.dp
+
+    def cp_rank(self, rank: int) -> int:
+        """`rank`'s index in its context-parallel group: which chunks of every sequence it holds."""
+        return rank // self.tp % self.cp
+
+    def check(self) -> None:
+        """Refuse degrees that do not split the world and its nodes into whole groups (UsageError naming the setting
+        and a fix): tensor- and context-parallel groups communicate in every layer, on the links inside a node."""
+        world, local, tp, cp, span = self.world_size, self.ranks_per_node, self.tp, self.cp, self.cp * self.tp
+        if tp > 1 and (local % tp or world % tp):
+            raise UsageError(
+                f"parallel.tensor_parallel={tp} must divide the ranks of each node ({local}) and the world size "
+                f"({world}): a tensor-parallel group communicates in every layer and must sit within one node; choose "
+                "a divisor of the ranks per node, or 1"
+            )
+        if cp > 1 and (local % span or world % span):
+            ranks = f"parallel.context_parallel={cp}" + (
+                f" x parallel.tensor_parallel={tp} = {span} ranks" if tp > 1 else ""
+            )
+            fits = [d for d in range(1, local + 1) if local % (d * tp) == 0 and world % (d * tp) == 0]
+            raise UsageError(
+                f"{ranks} must divide the ranks of each node ({local}) and the world size ({world}): a "
+                f"context-parallel group exchanges every block's attention inputs and must sit within one node; "
+                f"choose parallel.context_parallel among {fits}"
+            )
+        dp = world // (span * self.pp)
+        if self.sharding == "hybrid" and (self.dp_shard < 1 or dp % self.dp_shard):
+            split = f"tensor_parallel {tp}" + (f" x context_parallel {cp}" if cp > 1 else "")
+            raise UsageError(
+                f"hybrid sharding: shard group size {self.dp_shard} must divide the {dp} data-parallel ranks (world "
+                f"size {world} / {split}): set parallel.hsdp_shard_size to a divisor of {dp}"
+            )
+        if self.ep > self.dp_shard or self.dp_shard % self.ep:
+            raise UsageError(
+                f"parallel.expert_parallel={self.ep} must divide the {self.dp_shard} ranks that shard each weight "
+                f"(world size {world}): a group of that many ranks splits the experts; choose a divisor of "
+                f"{self.dp_shard}"
+            )
+
+
+def parallel_degrees(
+    sharding: str, *, world_size: int, ranks_per_node: int, tp: int = 1, cp: int = 1, ep: int = 1,
+    hsdp_shard_size: int = 0,
+) -> Degrees:  # fmt: skip
+    """The degrees of `sharding` with tp, cp and ep on `world_size` ranks, `ranks_per_node` a node (the template's
+    hooks/plan.jinja has the same macro); hybrid's shard group is `hsdp_shard_size` data-parallel ranks, or a
+    node's (0). Nothing is refused here: the planner prices degrees that may not fit, Degrees.check refuses them."""
+    dp = max(world_size // (tp * cp), 1)
+    if sharding == "no_shard":
+        replicate, shard = dp, 1
+    elif sharding == "hybrid":
+        shard = hsdp_shard_size or max(ranks_per_node // (tp * cp), 1)
+        replicate = max(dp // shard, 1)
+    else:
+        replicate, shard = 1, dp
+    return Degrees(sharding, world_size, ranks_per_node, replicate, shard, cp=cp, tp=tp, ep=ep)
+
+
+def degrees_of(parallel: ParallelConfig, *, world_size: int, ranks_per_node: int) -> Degrees:
+    """parallel_degrees of the config's parallel section: a job's (preflight.check, run.init_distributed)."""
+    return parallel_degrees(
+        parallel.sharding, world_size=world_size, ranks_per_node=ranks_per_node, tp=parallel.tensor_parallel,
+        cp=parallel.context_parallel, ep=parallel.expert_parallel, hsdp_shard_size=parallel.hsdp_shard_size,
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -67,32 +156,14 @@ class DistEnv:
     backend: str
     mesh: DeviceMesh | None
     """The device mesh parallelize() and the FSDP strategy use (build_mesh); None for DDP."""
-    tensor_parallel: int = 1
-    """Ranks per tensor-parallel group: neighbours (rank // tensor_parallel names the group), fed the same batches."""
-    context_parallel: int = 1
-    """Ranks per context-parallel group (each holds part of every sequence), fed the same batches: neighbouring
-    tensor-parallel groups."""
+    degrees: Degrees
+    """How the ranks split the work: the mesh's shape, this rank's slice of the data and of every sequence."""
     expert_mesh: DeviceMesh | None = None
     """The data-parallel ranks as (["dp_replicate",] "efsdp", "ep") for expert parallelism (expert_mesh); else None."""
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
-
-    @property
-    def dp_rank(self) -> int:
-        """This rank's data-parallel index: which slice of every global batch it trains on."""
-        return self.rank // (self.tensor_parallel * self.context_parallel)
-
-    @property
-    def dp_size(self) -> int:
-        """Data-parallel ranks: the ways every global batch is split (tensor- and context-parallel groups)."""
-        return self.world_size // (self.tensor_parallel * self.context_parallel)
-
-    @property
-    def cp_rank(self) -> int:
-        """This rank's index in its context-parallel group: which chunks of every sequence it holds."""
-        return self.rank // self.tensor_parallel % self.context_parallel
 
 
 def check_init_method(init_method: str) -> None:
@@ -192,44 +263,21 @@ def check_backend(backend: str, device_type: str, sharding: str) -> None:
         )
 
 
-def check_tensor_parallel(degree: int, world_size: int, local_world_size: int) -> None:
-    """Refuse a tensor-parallel degree that does not split one node's ranks into whole groups.
-
-    Tensor parallelism all-gathers and reduce-scatters activations in every layer, so its groups
-    stay on the link between a node's devices; FSDP shards across the groups.
-    """
-    if degree > 1 and (local_world_size % degree or world_size % degree):
-        raise UsageError(
-            f"parallel.tensor_parallel={degree} must divide the ranks of each node ({local_world_size}) and the world "
-            f"size ({world_size}): a tensor-parallel group communicates in every layer and must sit within one node; "
-            "choose a divisor of the ranks per node, or 1"
-        )
-
-
-def build_mesh(
-    sharding: str, device_type: str, world_size: int, shard_size: int, tp: int = 1, cp: int = 1
-) -> DeviceMesh | None:
+def build_mesh(device_type: str, degrees: Degrees) -> DeviceMesh | None:
     """1-D ("dp_shard") mesh for full/shard_grad_op, ("dp_replicate", "dp_shard") for hybrid, none for DDP.
 
     Context parallelism adds a dimension "cp" after them and tensor parallelism a last one, "tp": their
-    groups are neighbouring ranks (within one node, see check_tensor_parallel and
-    context_parallel.check_context_parallel), and the data-parallel dimensions run across the groups.
-    FSDP shards over "dp_shard" and "cp" together (flattened as "dp_shard_cp", torchtitan's layout): a
-    context-parallel group holds the same parameters, so their shards split over it too.
+    groups are neighbouring ranks (within one node, see Degrees.check), and the data-parallel dimensions run
+    across the groups. FSDP shards over "dp_shard" and "cp" together (flattened as "dp_shard_cp",
+    torchtitan's layout): a context-parallel group holds the same parameters, so their shards split over it too.
     """
+    sharding, tp, cp = degrees.sharding, degrees.tp, degrees.cp
     if sharding == "no_shard":
         return None
-    dp = world_size // (tp * cp)
     if sharding != "hybrid":
-        shape, names = (dp,), ("dp_shard",)
-    elif shard_size < 1 or dp % shard_size:
-        split = f"tensor_parallel {tp}" + (f" x context_parallel {cp}" if cp > 1 else "")
-        raise UsageError(
-            f"hybrid sharding: shard group size {shard_size} must divide the {dp} data-parallel ranks (world size "
-            f"{world_size} / {split}): set parallel.hsdp_shard_size to a divisor of {dp}"
-        )
+        shape, names = (degrees.dp_shard,), ("dp_shard",)
     else:
-        shape, names = (dp // shard_size, shard_size), ("dp_replicate", "dp_shard")
+        shape, names = (degrees.dp_replicate, degrees.dp_shard), ("dp_replicate", "dp_shard")
     if tp == 1 and cp == 1:
         return init_device_mesh(device_type, shape, mesh_dim_names=names)
     inner = {"cp": cp, "tp": tp}
@@ -252,16 +300,16 @@ def build_mesh(
     return mesh
 
 
-def expert_mesh(mesh: DeviceMesh | None, degree: int) -> DeviceMesh | None:
-    """The data-parallel ranks of `mesh` as expert parallelism splits them (None for degree 1): its "dp_shard"
-    dimension unflattened into ("efsdp", "ep"), groups of `degree` neighbouring ranks that split the experts
+def expert_mesh(mesh: DeviceMesh | None, degrees: Degrees) -> DeviceMesh | None:
+    """The data-parallel ranks of `mesh` as expert parallelism splits them (None for degrees.ep 1): its "dp_shard"
+    dimension unflattened into ("efsdp", "ep"), groups of degrees.ep neighbouring ranks that split the experts
     ("ep"), and the ranks that hold the same experts across the groups ("efsdp"). It shares `mesh`'s ranks,
     so FSDP can shard the experts over "efsdp" and every other weight over "dp_shard" within one block."""
-    if degree <= 1 or mesh is None:
+    if degrees.ep <= 1 or mesh is None:
         return None
     dim = mesh.mesh_dim_names.index("dp_shard")
     # Private, but torchtitan builds its meshes this way too: the new dimensions reuse the mesh's process groups.
-    experts = mesh._unflatten(dim, (mesh.size(dim) // degree, degree), ("efsdp", "ep"))
+    experts = mesh._unflatten(dim, (degrees.efsdp, degrees.ep), ("efsdp", "ep"))
     # An expert's gradient is split over both: with the flattened group DTensor reduces its norm in one all-reduce.
     experts["efsdp", "ep"]._flatten("efsdp_ep")
     return experts
