@@ -77,6 +77,7 @@ SMOKE_TESTS = [
     "test_fsdp_rules.py::test_grad_norm_is_the_global_norm_as_a_float",
     "test_plan.py::test_sharded_state_bytes_match_the_plan",
     "test_plan.py::test_activation_bytes_per_block_match_what_the_model_declares",
+    "test_paths.py::test_every_path_module_and_flag_named_exists",
 ]
 
 

@@ -1,6 +1,6 @@
 """The planner's picks: the cheapest sharding, activation checkpointing and offload that fit, the tensor-
 and expert-parallel degrees with the cheapest estimated step, and the smallest context-parallel degree
-with which the sequence fits. The same search ran at question time (hooks/plan.jinja's best_given,
+with which the sequence fits. The same search ran at question time (the template's hooks/plan.jinja's best_given,
 recommend, recommend_tp, recommend_ep and recommend_cp) to choose the repo's defaults; the trainer's
 checks, `python -m <package>.plan` and its re-sizing advice run it on the live config."""
 

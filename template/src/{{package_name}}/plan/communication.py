@@ -1,7 +1,7 @@
 """What a step sends and how long that takes against its compute. Memory decides what fits;
 communication decides, among the plans that fit, which is fast: FSDP's collectives overlap with
 compute only while they take less time than it, and tensor and context parallelism's do not overlap
-at all. hooks/plan.jinja's communication, tp_communication and cp_communication compute the same bytes
+at all. The template's hooks/plan.jinja's communication, tp_communication and cp_communication compute the same bytes
 at question time."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Host memory (RAM) per node. A node's RAM is shared by all its ranks and holds what the devices do
 not: offloaded state, async checkpoint staging, weights in transit, exports. Running out of it kills
 the job long after start-up (the kernel's OOM killer, or swapping), so the trainer checks this plan
-against the node's RAM before it starts. hooks/plan.jinja's host_plan computes the same at question
+against the node's RAM before it starts. The template's hooks/plan.jinja's host_plan computes the same at question
 time."""
 
 from __future__ import annotations
