@@ -155,4 +155,4 @@ def test_every_path_module_and_flag_named_exists():
         for flag in re.findall(r"(?<![\w-])--[A-Za-z][\w.*-]*[\w*]", text):
             if not fnmatch.filter(known, flag):
                 missing.append(f"{where}: {flag} (no such flag)")
-    assert not missing, f"{len(missing)} names of what this repo lacks:\n" + "\n".join(missing)
+    assert not missing, f"what this repo lacks ({len(missing)}):\n" + "\n".join(missing)
