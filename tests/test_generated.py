@@ -81,6 +81,7 @@ SMOKE_TESTS = [
     "test_wrong_inputs.py::test_a_misspelt_flags_box_names_a_help_command_and_a_flag_that_work",
     "test_torch_compat.py::test_no_private_torch_name_is_reached_at_import_time",
     "test_torch_compat.py::test_a_torch_without_private_names_imports_this_repo_and_trains",
+    "test_paths.py::test_every_path_module_and_flag_named_exists",
 ]
 
 

@@ -305,7 +305,7 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig, *, exper
 
 def shard_placement(block: nn.Module, experts: FSDPMeshInfo | None = None) -> Callable | None:
     """FSDP's dimension for each parameter of `block`: 0 (None), unless its module names another in
-    `fsdp_shard_dim`. A mixture of experts' stacked expert weights (models/qwen3_moe/moe.py) shard along
+    `fsdp_shard_dim`. A mixture of experts' stacked expert weights (Qwen3-MoE's GroupedExperts) shard along
     their hidden dimension: the state-dict adapter splits them per expert along the first, and DTensor
     refuses that split along a sharded dimension, while along another each expert is a view of every
     rank's shard, which DCP reads and writes in place. Under expert parallelism (`experts`: the ranks

@@ -4,8 +4,8 @@ re-assembles the sequence, and a change to it reaches them all.
 
     init_distributed -> build_model_meta -> build_optimizer -> loaders, checkpoints, train state
 
-build_model_meta follows DESIGN's FSDP2 rules: the model is built on the meta device, LoRA adds its
-adapters (one hook), parallelize() applies float8, tensor and context parallelism, activation
+build_model_meta follows the FSDP2 rules (tests/test_fsdp_rules.py): the model is built on the meta device, LoRA
+adds its adapters (one hook), parallelize() applies float8, tensor and context parallelism, activation
 checkpointing, compile and FSDP in that order, `to_empty` allocates this rank's shards only, and then every weight
 is set: from rank 0's seeded init or pretrained files, the same at any world size, and every
 non-persistent buffer recomputed. The optimizer is built after sharding, on the sharded parameters.

@@ -59,7 +59,7 @@ class StepResult:
 @dataclass
 class RouterBalance:
     """A mixture of experts' router, from the trainer's side (the model's aux_loss, take_expert_load,
-    balance_metrics and apply_balance: models/qwen3_moe/model.py).
+    balance_metrics and apply_balance, as Qwen3-MoE's model defines them).
 
     Each micro-batch's loss adds the model's aux loss (router_aux_loss_coef x its load-balancing loss),
     scaled as the cross-entropy is. After the step, the tokens each expert received on every data-parallel

@@ -16,7 +16,7 @@ Each formula is written once here, in the docstring of the function that compute
     memory.py          memory_plan: the device bytes per rank (parameters, gradients, optimizer
                        state, gathered blocks, activations) and their peak (MemoryPlan.total);
                        activation_bytes_per_token: what a block keeps per token, which the model's
-                       shape declares (models/llama/shape.py, models/hf_causal_lm/shape.py); block_gather_bytes,
+                       shape declares (models/llama/shape.py, each other model's own); block_gather_bytes,
                        adapter_params (LoRA), grad_accum, planned_degrees (distributed.Degrees on the
                        planned hardware: the shard group, the data-parallel ranks)
     host.py            host_memory_plan: a node's RAM by term and its peak (HostPlan.total);

@@ -163,7 +163,7 @@ def activation_bytes_per_token(
 ) -> float:  # fmt: skip
     """a, the bytes one block keeps for backward per token (a rank holds). Only the model knows what its blocks
     keep, so the formula is its shape's `activation_bytes` (models/llama/shape.py's blocks,
-    models/hf_causal_lm/shape.py's transformers layers); tests/test_plan.py measures it for every model in the
+    the hf_causal_lm model's transformers layers); tests/test_plan.py measures it for every model in the
     registry, tests/test_context_parallel.py with context parallelism."""
     kwargs = {"context_parallel": context_parallel} if context_parallel > 1 else {}  # models without it: 1
     return s.activation_bytes(
