@@ -46,6 +46,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 def parallelize(
     model: nn.Module, *, parallel: ParallelConfig, mesh: DeviceMesh | None, tp_plan: TensorParallelPlan | None,
     cp_plan: ContextParallelPlan | None = None, adapter_rank: int = 0, expert_mesh: DeviceMesh | None = None,
+    one_rank: bool = False,
 ) -> None:  # fmt: skip
     """Make the model on the meta device what `parallel` asks for, in place: float8 -> TP -> CP -> EP -> AC ->
     compile -> FSDP.
@@ -54,9 +55,10 @@ def parallelize(
     `tp_plan` and `cp_plan` the model's tensor- and context-parallel plans, used when the mesh has a "tp"
     or a "cp" dimension; `adapter_rank` LoRA's rank (0: no adapters), which selective checkpointing
     recomputes rather than keeps; `expert_mesh` distributed.expert_mesh's, whose "ep" ranks split the
-    experts (None: every rank holds every expert).
+    experts (None: every rank holds every expert); `one_rank` that the run has nothing to shard
+    (strategy.shards_nothing): no FSDP then, and compile takes the whole model, as the plain loop does.
     """
-    sharded = parallel.sharding != "no_shard"
+    sharded = parallel.sharding != "no_shard" and not one_rank
     apply_float8(model.layers, parallel.float8, fsdp=sharded)
     if mesh is not None and "tp" in mesh.mesh_dim_names:
         apply_tp(model, mesh["tp"], tp_plan)  # before the wrappers rename the blocks' modules
@@ -65,7 +67,9 @@ def parallelize(
     if expert_mesh is not None:
         apply_ep(model.layers, expert_mesh["ep"])
     apply_ac(model.layers, parallel.activation_checkpointing, adapter_rank=adapter_rank)
-    if parallel.compile:
+    if parallel.compile and one_rank:
+        apply_compile_whole(model, parallel.compile_backend)
+    elif parallel.compile:
         # The all-to-all's split sizes are data: an expert-parallel block compiles in pieces around it.
         apply_compile(model.layers, parallel.compile_backend, fullgraph=expert_mesh is None)
     if sharded:
@@ -231,13 +235,25 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, plan: TensorParallelPlan) -> No
 
 def apply_compile(layers: nn.ModuleList, backend: str, *, fullgraph: bool = True) -> None:
     """Compile each block in place; whole-model compile would break at every FSDP hook."""
+    _allow_checkpointed_side_effects()
+    for block in layers:
+        block.compile(backend=backend, fullgraph=fullgraph)
+
+
+def apply_compile_whole(model: nn.Module, backend: str) -> None:
+    """Compile the whole model in place, where no FSDP hook splits it (one rank): the embeddings, the final norm
+    and the output projection fuse too, and the blocks' graphs run back to back. Not fullgraph: a model may
+    break its graph where it must (it then runs in pieces, each compiled)."""
+    _allow_checkpointed_side_effects()
+    model.compile(backend=backend)
+
+
+def _allow_checkpointed_side_effects() -> None:
     # Dynamo refuses a write to state outside a checkpointed region, because eager checkpointing would replay it
     # when it recomputes the block. With `kernels` installed (a dependency of transformers 5.25), transformers wraps
     # attention's forward in such a write: it sets a global that routes the rotary function, then restores it, so
     # there is nothing to replay, and without this flag no checkpointed transformers block compiles.
     torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
-    for block in layers:
-        block.compile(backend=backend, fullgraph=fullgraph)
 
 
 def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:

@@ -39,7 +39,7 @@ from .models import ModelConfig, ModelSpec, model_spec
 from .models.lora import apply_lora, lora_rank
 from .parallelize import DTYPES, parallelize
 from .step import StepContext, build_step_context
-from .strategy import Strategy, build_strategy, strategy_class
+from .strategy import Strategy, build_strategy, shards_nothing, strategy_class
 from .train_state import TrainState
 from .weights import apply_initial_weights
 
@@ -93,7 +93,7 @@ def build_run(cfg: Config, *, env: DistEnv | None = None, faults: FaultHook | No
     spec = model_spec(cfg.model.name)
     if env is None:
         env = init_distributed(device=cfg.device, dist=cfg.dist, parallel=cfg.parallel, seed=cfg.train.seed)
-    strategy = build_strategy(cfg.parallel, env.mesh, env.device)
+    strategy = build_strategy(cfg.parallel, env.mesh, env.device, world_size=env.world_size)
     root = Path(cfg.run_dir) / "checkpoints"
     checkpoints = CheckpointManager(cfg.checkpoint, root, env.rank, env.world_size, env.tensor_parallel,
                                     context_parallel=env.context_parallel, faults=faults)  # fmt: skip
@@ -111,7 +111,7 @@ def build_run(cfg: Config, *, env: DistEnv | None = None, faults: FaultHook | No
     loader, held_out = build_loader(**data, **ranks), build_held_out(**data, **ranks)
     step_context = build_step_context(
         parallel=cfg.parallel, train=cfg.train, data_source=cfg.data.source, strategy=strategy, device=env.device,
-        cp_rank=env.cp_rank, model=strategy.unwrap(model),
+        cp_rank=env.cp_rank, model=strategy.unwrap(model), log_every=cfg.metrics.log_every,
     )  # fmt: skip
     state = TrainState(model, optimizer, scheduler, loader, env.rank, strategy)
     return Run(cfg, env, strategy, spec, model, optimizer, scheduler, loader, held_out, checkpoints, state,
@@ -126,7 +126,7 @@ def init_distributed(*, device: str, dist: DistConfig, parallel: ParallelConfig,
     backend = resolve_backend(dist.backend, on, cpu_collectives=parallel.cpu_offload)
     if on.type != "cpu":
         torch.accelerator.set_device_index(on.index)
-    strategy_class(parallel).before_process_group()
+    strategy_class(parallel, rdzv.world_size).before_process_group()
     init_process_group(rdzv, on, backend, dist.init_method, dist.init_timeout_s)
     tp, cp = parallel.tensor_parallel, parallel.context_parallel
     shard_size = parallel.hsdp_shard_size or rdzv.local_world_size // (tp * cp)
@@ -147,7 +147,8 @@ def build_model_meta(
         module = spec.build(model)
     apply_lora(module, finetune=finetune, layout=spec.lora, frozen_dtype=DTYPES[parallel.mixed_precision])
     parallelize(module, parallel=parallel, mesh=env.mesh, tp_plan=spec.tensor_parallel_plan(model),
-                cp_plan=spec.cp_plan, adapter_rank=lora_rank(finetune), expert_mesh=env.expert_mesh)  # fmt: skip
+                cp_plan=spec.cp_plan, adapter_rank=lora_rank(finetune), expert_mesh=env.expert_mesh,
+                one_rank=shards_nothing(env.world_size, parallel))  # fmt: skip
     # Allocates only this rank's shards (on the host with CPU offload); the contents are garbage.
     module.to_empty(device=env.device)
     module.tie_weights()
