@@ -162,7 +162,8 @@ def build_model_meta(
     n_trained = sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
     logger.info(
         "model %s: %.2fM parameters, %.2fM trained (finetune %s), sharding %s",
-        model.preset, n_params / 1e6, n_trained / 1e6, finetune.method, parallel.sharding,
+        model.preset, n_params / 1e6, n_trained / 1e6, finetune.method,
+        "none (one rank)" if shards_nothing(env.world_size, parallel) else parallel.sharding,
     )  # fmt: skip
     return wrapped
 
