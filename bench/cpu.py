@@ -164,9 +164,9 @@ a GPU its step counts are host tensors, or device tensors the fused kernel reads
 CUDA_SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 
 
-KERNELS = ("aten::_foreach_", "aten::_fused_")
-"""Ops that are one kernel on a GPU (a loop over the tensors, chunked) and a loop of ops on a CPU: what runs inside
-them is not counted."""
+KERNELS = ("aten::_foreach_", "aten::_fused_", "aten::_scaled_mm")
+"""Ops that are one kernel on a GPU and many ops on a CPU (a loop over the tensors, chunked; float8's matmul, which
+the CPU computes through bf16 copies): what runs inside them is not counted."""
 
 
 def trace_counts(path: Path, steps: int) -> dict[str, float]:

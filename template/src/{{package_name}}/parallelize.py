@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import warnings
 from collections.abc import Callable
 
@@ -34,13 +35,14 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from .config import ParallelConfig, UsageError
+from .config import JOB_WIDE, ParallelConfig, UsageError
 from .context_parallel import apply_cp
 from .distributed import data_parallel_mesh
 from .expert_parallel import FSDPMeshInfo, apply_ep, expert_fsdp_mesh, expert_placement
 from .models.spec import ContextParallelPlan, TensorParallelPlan
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+logger = logging.getLogger(__name__)
 
 
 def parallelize(
@@ -60,6 +62,7 @@ def parallelize(
     """
     sharded = parallel.sharding != "no_shard" and not one_rank
     apply_float8(model.layers, parallel.float8, fsdp=sharded)
+    float8_compile_settings(parallel.float8, compiled=parallel.compile)
     if mesh is not None and "tp" in mesh.mesh_dim_names:
         apply_tp(model, mesh["tp"], tp_plan)  # before the wrappers rename the blocks' modules
     if mesh is not None and "cp" in mesh.mesh_dim_names:
@@ -146,6 +149,37 @@ def apply_float8(layers: nn.ModuleList, recipe: str, *, fsdp: bool) -> None:
         config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
     for block in layers:
         convert_to_float8_training(block, config=config, module_filter_fn=float8_eligible)
+
+
+def float8_compile_settings(recipe: str, *, compiled: bool) -> None:
+    """What float8 needs from torch.compile. Without it every cast into float8 (an abs, a max, a scale and a cast
+    per tensor, forward and backward) is a kernel of its own and float8 runs slower than bf16: the launch says so.
+    Rowwise scaling compiles with inductor emulating eager's precision casts, torchtitan's workaround for NaNs
+    when recomputed float8 activations round otherwise than the forward's (pytorch/pytorch#150859)."""
+    if recipe == "none":
+        return
+    if not compiled:
+        logger.warning(
+            "parallel.float8=%s without parallel.compile: each float8 cast is a kernel of its own, and the step is "
+            "likely slower than bf16's; set parallel.compile=true", recipe, extra=JOB_WIDE,
+        )  # fmt: skip
+    elif recipe == "rowwise":
+        import torch._inductor.config
+
+        torch._inductor.config.emulate_precision_casts = True
+
+
+def float8_after_update(model: nn.Module, recipe: str, *, fsdp: bool) -> Callable[[], None] | None:
+    """What train_step runs after each optimizer step for float8 (None: nothing). With tensorwise scaling under
+    FSDP the weights are all-gathered in float8, each cast with its own scale: torchao's
+    precompute_float8_dynamic_scale_for_fsdp computes every weight's scale at once, one max per weight and one
+    all-reduce in all, where each all-gather would otherwise compute its weight's (its max, its all-reduce,
+    eagerly, outside the compiled blocks), forward and backward. torchtitan calls it there too."""
+    if recipe != "tensorwise" or not fsdp:
+        return None
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    return functools.partial(precompute_float8_dynamic_scale_for_fsdp, model)
 
 
 def float8_eligible(module: nn.Module, fqn: str) -> bool:

@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 from .config import ParallelConfig, TrainConfig
 from .context_parallel import SequenceSplit
 from .data import IGNORE_INDEX, Batch
+from .parallelize import float8_after_update
 from .strategy import Strategy
 
 
@@ -46,6 +47,8 @@ class StepContext:
     """A mixture of experts: its router's aux loss joins the loss, and its balance is kept and reported."""
     nonfinite: NonFinite | None = None
     """Skips and reports steps whose gradient norm is not finite (None: none are, fp16's loss scaler skips them)."""
+    after_update: Callable[[], None] | None = None
+    """Runs after each optimizer step: float8's scales for the next all-gather (parallelize.float8_after_update)."""
 
 
 @dataclass
@@ -150,6 +153,7 @@ def build_step_context(
     degree = parallel.context_parallel
     experts = RouterBalance(model, strategy.dp_group) if hasattr(model, "aux_loss") else None
     fp16 = parallel.mixed_precision == "fp16"
+    float8 = float8_after_update(model, parallel.float8, fsdp=strategy.shards_parameters) if model is not None else None
     return StepContext(
         strategy=strategy,
         sync_every_microbatch=parallel.grad_sync_every_microbatch,
@@ -160,6 +164,7 @@ def build_step_context(
         sequence_split=SequenceSplit(cp_rank, degree) if degree > 1 else None,
         experts=experts,
         nonfinite=None if fp16 else NonFinite(device, every=log_every, last=train.steps),
+        after_update=float8,
     )
 
 
@@ -227,6 +232,8 @@ def train_step(model: nn.Module, optimizer, scheduler, micro_batches: list[Batch
     else:
         local = ctx.strategy.local_optimizer(optimizer)
         ctx.nonfinite.step(optimizer, local, grad_norm, step=scheduler.last_epoch + 1)
+    if ctx.after_update is not None:
+        ctx.after_update()
     optimizer.zero_grad(set_to_none=True)
     scheduler.step()
     metrics = ctx.experts.after_step(aux_sum, len(micro_batches)) if ctx.experts is not None else {}
