@@ -185,7 +185,7 @@ def trace_counts(path: Path, steps: int) -> dict[str, float]:
         stack: list[tuple[int, int]] = []  # (end, index) of the open events, outermost first
         spans = sorted(((round(e["ts"] * 1000), round((e["ts"] + e["dur"]) * 1000), i) for i, e in enumerate(ops)
                         if e["tid"] == tid), key=lambda span: (span[0], -span[1]))  # fmt: skip
-        for start, end, i in spans:
+        for _, end, i in spans:
             while stack and stack[-1][0] < end:  # the open event ended before this one does: not its parent
                 stack.pop()
             name, enclosing = ops[i]["name"], [ops[j]["name"] for _, j in stack]
@@ -314,7 +314,7 @@ jobs, out = sys.argv[1], Path(sys.argv[2])
 first = load_config(sys.argv[3:])
 spec = model_spec(first.model.name)
 env = init_distributed(device=first.device, dist=first.dist, parallel=first.parallel, seed=first.train.seed)
-strategy = build_strategy(first.parallel, env.mesh, env.device)
+strategy = build_strategy(first.parallel, env.mesh, env.device, world_size=env.world_size)
 for job in jobs.split(","):  # op=path, each on a model of its own
     op, path = job.split("=", 1)
     cfg = load_config(sys.argv[3:])
@@ -418,8 +418,9 @@ def measure(quick: bool) -> list[dict]:
             lambda i: trainer_step_seconds(project, tmp / f"trainer{i}", size, steps),
             lambda i: plain_step_seconds(project, size, steps),
         )
-        counted = 2 if quick else 4
-        proxy = proxy_rows(trainer_step_counts(project, tmp / "proxy", counted), plain_step_counts(project, tmp, counted))
+        counted = 2 if quick else 4  # steps profiled: every step counts the same ops
+        proxy = proxy_rows(trainer_step_counts(project, tmp / "proxy", counted),
+                           plain_step_counts(project, tmp, counted))  # fmt: skip
         state, n_params = state_bytes(project, tmp / "probe")
         sync, async_ = fastest(
             repeats,

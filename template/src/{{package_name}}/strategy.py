@@ -165,8 +165,8 @@ class Strategy(ABC):
         return nullcontext()
 
     def build_optimizer(self, param_groups: list[dict], **hyper) -> torch.optim.Optimizer:
-        """AdamW over the parameters this rank updates (adamw: fused where the parameters allow)."""
-        return adamw(param_groups, **hyper)
+        """AdamW over the parameters this rank updates, fused where they allow (adamw_kernel)."""
+        return torch.optim.AdamW(param_groups, **adamw_kernel(param_groups), **hyper)
 
     def local_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """The torch optimizer that updates this rank's parameters (ZeRO's wraps one)."""
@@ -248,13 +248,12 @@ class FSDP(Strategy):
 class OneRank(Strategy):
     """One rank with nothing to shard (shards_nothing): the model as it is, no wrapper, no collective.
 
-    FSDP over a mesh of one rank would gather nothing and reduce nothing, yet every step would pay for
-    its hooks, its DTensor dispatch (each op on a parameter runs twice: as the DTensor op and as its
-    local one) and its copies of every weight into the compute dtype; torchtitan applies no FSDP on
-    one GPU either. Low precision is torch.autocast over fp32 master weights (the plain loop's AMP):
-    matmuls compute in the compute dtype, and norms, softmax and the residual stream stay in fp32,
-    where FSDP's MixedPrecisionPolicy computes everything in it. The state dict holds plain tensors,
-    which DCP reshards into FSDP's DTensors at any world size, and back.
+    FSDP on one rank gathers and reduces nothing, yet every step pays for its hooks, its DTensor
+    dispatch (an op on a parameter runs as the DTensor op and as its local one) and its weight casts;
+    torchtitan applies none on one GPU either. Low precision is torch.autocast over fp32 master
+    weights: matmuls in the compute dtype, norms, softmax and the residual stream in fp32 (FSDP's
+    MixedPrecisionPolicy computes everything in it). The state dict holds plain tensors, which DCP
+    reshards into FSDP's DTensors at any world size, and back.
     """
 
     device: torch.device
@@ -377,22 +376,13 @@ def build_strategy(
     return chosen(device, autocast_dtype)
 
 
-FUSED_DEVICES = ("cuda", "xpu", "cpu")
-"""Where torch has fused AdamW kernels, for plain parameters and FSDP's DTensors alike (torch 2.4 and later)."""
-
-
 def adamw_kernel(param_groups: list[dict]) -> dict[str, bool]:
-    """fused=True where every parameter allows it (floating point, on a device with the kernels): one kernel per
-    device and dtype updates every parameter, and it can skip a step on the device (step.train_step passes it
-    found_inf, as torch's GradScaler does) without the host reading the gradient norm; foreach=True otherwise."""
+    """fused=True where every parameter is floating point on a device with fused AdamW kernels (CUDA, XPU, CPU;
+    FSDP's DTensors too, since torch 2.4): one kernel per device and dtype, which can skip a step on the device
+    (step.NonFinite) without the host reading the gradient norm; foreach=True otherwise."""
     params = [p for group in param_groups for p in group["params"]]
-    fused = all(p.device.type in FUSED_DEVICES and p.is_floating_point() for p in params)
+    fused = all(p.device.type in ("cuda", "xpu", "cpu") and p.is_floating_point() for p in params)
     return {"fused": True} if fused else {"foreach": True}
-
-
-def adamw(param_groups: list[dict], **hyper) -> torch.optim.AdamW:
-    """torch's AdamW with adamw_kernel's implementation."""
-    return torch.optim.AdamW(param_groups, **adamw_kernel(param_groups), **hyper)
 
 
 def zero_state_dict(model: nn.Module, optimizer: ZeroRedundancyOptimizer, saved_optim_keys: set[str] | None) -> dict:
