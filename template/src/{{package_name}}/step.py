@@ -264,7 +264,6 @@ def clip_gradients(model: nn.Module, max_norm: float) -> torch.Tensor:
     norms = [torch.nn.utils.get_total_norm(group, foreach=True).full_tensor() for group in by_mesh]
     total = torch.linalg.vector_norm(torch.stack(norms))
     # clip_grad_norm_'s rule (and its fp32 arithmetic), applied to each mesh's gradients.
-    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for group in by_mesh:
-        torch._foreach_mul_([g.to_local() for g in group], coefficient)
+    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # on the device: no host read
+    torch._foreach_mul_([g.to_local() if isinstance(g, DTensor) else g for g in grads], coefficient)
     return total
