@@ -74,7 +74,9 @@ SMOKE_TESTS = [
     "test_smoke.py::test_resume_reproduces_the_continuous_run",
     "test_fsdp_rules.py::test_train_py_structure",
     "test_fsdp_rules.py::test_initial_weights_identical_at_any_world_size",
-    "test_fsdp_rules.py::test_grad_norm_is_the_global_norm_as_a_float",
+    "test_fsdp_rules.py::test_grad_norm_is_the_global_norm_on_the_device",
+    "test_fsdp_rules.py::test_one_rank_with_nothing_to_shard_trains_the_model_as_it_is",
+    "test_fsdp_rules.py::test_a_nonfinite_step_is_skipped_on_the_device_and_refused_at_the_log_interval",
     "test_plan.py::test_sharded_state_bytes_match_the_plan",
     "test_plan.py::test_activation_bytes_per_block_match_what_the_model_declares",
     "test_wrong_inputs.py::test_a_checkpoint_of_another_model_is_refused_naming_both_and_the_fix_works",
@@ -102,6 +104,7 @@ def test_generated_smoke_rules_and_plan(rendered, suites, name):
 
 FULL_TESTS = [
     "test_checkpoint.py::test_checkpoint_reshards_to_one_and_four_ranks",
+    "test_checkpoint.py::test_one_rank_checkpoint_moves_to_two_ranks_and_back",
     "test_checkpoint.py::test_resume_names_what_it_skips_and_a_save_heals_the_damage",
     "test_errors.py::test_bad_input_is_reported_once_and_nothing_is_written",
     "test_uneven.py::test_min_stops_every_rank_at_the_shortest",

@@ -40,7 +40,7 @@ from .models import ModelConfig, ModelSpec, model_spec
 from .models.lora import apply_lora, lora_rank
 from .parallelize import DTYPES, parallelize
 from .step import StepContext, build_step_context
-from .strategy import Strategy, build_strategy, strategy_class
+from .strategy import Strategy, build_strategy, shards_nothing, strategy_class
 from .train_state import TrainState
 from .weights import apply_initial_weights
 
@@ -94,7 +94,7 @@ def build_run(cfg: Config, *, env: DistEnv | None = None, faults: FaultHook | No
     spec = model_spec(cfg.model.name)
     if env is None:
         env = init_distributed(device=cfg.device, dist=cfg.dist, parallel=cfg.parallel, seed=cfg.train.seed)
-    strategy = build_strategy(cfg.parallel, env.mesh, env.device)
+    strategy = build_strategy(cfg.parallel, env.mesh, env.device, degrees=env.degrees)
     root = Path(cfg.run_dir) / "checkpoints"
     checkpoints = CheckpointManager(cfg.checkpoint, root, env.rank, env.degrees, model=cfg.model, faults=faults)
     if cfg.eval.only:
@@ -112,7 +112,7 @@ def build_run(cfg: Config, *, env: DistEnv | None = None, faults: FaultHook | No
     step_context = build_step_context(
         parallel=cfg.parallel, train=cfg.train, unscored_targets=source_spec(cfg.data.source).unscored_targets,
         strategy=strategy, device=env.device, cp_rank=env.degrees.cp_rank(env.rank), cp=env.degrees.cp,
-        model=strategy.unwrap(model),
+        model=strategy.unwrap(model), log_every=cfg.metrics.log_every,
     )  # fmt: skip
     state = TrainState(model, optimizer, scheduler, loader, env.rank, strategy)
     return Run(cfg, env, strategy, spec, model, optimizer, scheduler, loader, held_out, checkpoints, state,
@@ -127,10 +127,10 @@ def init_distributed(*, device: str, dist: DistConfig, parallel: ParallelConfig,
     backend = resolve_backend(dist.backend, on, cpu_collectives=parallel.cpu_offload)
     if on.type != "cpu":
         torch.accelerator.set_device_index(on.index)
-    strategy_class(parallel).before_process_group()
-    init_process_group(rdzv, on, backend, dist.init_method, dist.init_timeout_s)
     degrees = degrees_of(parallel, world_size=rdzv.world_size, ranks_per_node=rdzv.local_world_size)
     degrees.check()  # preflight has (a probe or a test may come here without it)
+    strategy_class(parallel, degrees).before_process_group()
+    init_process_group(rdzv, on, backend, dist.init_method, dist.init_timeout_s)
     mesh = build_mesh(on.type, degrees)
     experts = expert_mesh(mesh, degrees)
     torch.manual_seed(seed)
@@ -148,7 +148,8 @@ def build_model_meta(
         module = spec.build(model)
     apply_lora(module, finetune=finetune, layout=spec.lora, frozen_dtype=DTYPES[parallel.mixed_precision])
     parallelize(module, parallel=parallel, mesh=env.mesh, tp_plan=spec.tensor_parallel_plan(model),
-                cp_plan=spec.cp_plan, adapter_rank=lora_rank(finetune), expert_mesh=env.expert_mesh)  # fmt: skip
+                cp_plan=spec.cp_plan, adapter_rank=lora_rank(finetune), expert_mesh=env.expert_mesh,
+                one_rank=shards_nothing(env.degrees, parallel))  # fmt: skip
     # Allocates only this rank's shards (on the host with CPU offload); the contents are garbage.
     module.to_empty(device=env.device)
     module.tie_weights()
@@ -162,7 +163,8 @@ def build_model_meta(
     n_trained = sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
     logger.info(
         "model %s: %.2fM parameters, %.2fM trained (finetune %s), sharding %s",
-        model.preset, n_params / 1e6, n_trained / 1e6, finetune.method, parallel.sharding,
+        model.preset, n_params / 1e6, n_trained / 1e6, finetune.method,
+        "none (one rank)" if shards_nothing(env.degrees, parallel) else parallel.sharding,
     )  # fmt: skip
     return wrapped
 

@@ -117,9 +117,9 @@ def train_loop(run: Run, start: int) -> Outcome:
             result = train_step(run.model, run.optimizer, run.scheduler, batches, run.step_context)
             pace.took(step)
             if metrics.should_log(step):
-                metrics.log(
-                    step, mean_across_ranks(result.loss, env.device), result.grad_norm, result.lr, result.metrics
-                )
+                # The step's figures stay on the device until here: the host reads them once an interval.
+                loss, grad_norm = mean_across_ranks(result.loss, env.device), result.grad_norm.item()
+                metrics.log(step, loss, grad_norm, result.lr, result.metrics)
             metrics.after_step(step)
             if step == start + 1:
                 set_collective_timeout(cfg.dist.train_timeout_s)
