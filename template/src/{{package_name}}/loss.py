@@ -28,6 +28,7 @@ is then each rank's partial sum, which DTensor reduces on its way back into the 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -40,6 +41,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from .config import TrainConfig, UsageError
 from .data import IGNORE_INDEX
+
+logger = logging.getLogger(__name__)
 
 
 def loss_chunk(*, train: TrainConfig, context_parallel: int, logits: int = 0) -> int:
@@ -112,6 +115,7 @@ def apply_chunked_loss(model: nn.Module, chunk: int) -> None:
         raise UsageError(f"train.loss_chunk={chunk}: {reason}; set train.loss_chunk=0")
     head.__class__ = ChunkedHead
     head.chunk, head.scoring = chunk, None
+    logger.info("the loss in chunks of %d positions (train.loss_chunk): the logits are never whole", chunk)
 
 
 def chunked_head(model: nn.Module) -> ChunkedHead | None:

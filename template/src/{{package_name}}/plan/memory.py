@@ -134,15 +134,23 @@ def memory_plan(
     tokens = (s.tokens or seq_len) * micro_batch_size / context_parallel
     logits = (s.logits or seq_len) * micro_batch_size / context_parallel
     extra = per_layer("none") if ac == "full" else 0  # the one block being recomputed in backward
-    if 0 < loss_chunk < logits:  # loss.py's loss_chunk rule
-        head = s.V * s.h * p / t if not lora_rank else 0
-        loss = loss_chunk * s.V * (4 + (p if p < 4 else 0)) / t + logits * (s.h * p + 16) + head
-    else:
-        loss = logits * s.V * (p + 12)
+    loss = loss_bytes(s, positions=logits, p=p, loss_chunk=loss_chunk, tensor_parallel=t, trained_head=not lora_rank)
     activations = tokens * (s.L * per_layer(ac) + extra) + loss
     host = params + grads + optim if cpu_offload else 0
     dispatch = 2 * tokens * s.top_k * s.h * p if expert_parallel > 1 and s.sparse_layers else 0
     return MemoryPlan(params, grads, optim, grads_live, gathered, gradbuf, activations, host, dispatch)
+
+
+def loss_bytes(
+    s: ModelShape, *, positions: float, p: int, loss_chunk: int, tensor_parallel: int = 1, trained_head: bool = True
+) -> float:
+    """What the loss of `positions` that produce logits holds at its peak, with p bytes per element of the compute
+    dtype (memory_plan's V (p + 12) per position, or in chunks of `loss_chunk`: its formula there).
+    tests/test_chunked_loss.py measures both on the CPU."""
+    if not 0 < loss_chunk < positions:  # loss.py's loss_chunk rule: the logits whole
+        return positions * s.V * (p + 12)
+    head = s.V * s.h * p if trained_head else 0
+    return (loss_chunk * s.V * (4 + (p if p < 4 else 0)) + head) / tensor_parallel + positions * (s.h * p + 16)
 
 
 def block_gather_bytes(
