@@ -45,7 +45,7 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping (the norm is still logged)."""
     loss_chunk: int = LOSS_CHUNK
-    """Compute a language model's loss in chunks of this many positions where a rank's micro-batch has more; 0: never."""
+    """The loss in chunks of this many positions where a rank's micro-batch has more (loss.py); 0: never."""
     seed: int = 0
     """Seed for weight init and data order; the same seed gives the same run at any world size."""
 
