@@ -22,11 +22,14 @@
    above): the step time, and the peak a rank holds in a one-micro-batch step beyond its model
    state (torch's MemTracker), with parallel.context_parallel = 2 (each rank holds half of every
    sequence; Ulysses attention) over FSDP alone (each rank holds whole sequences).
-6. Rendering the default project; the generated fast tier (`pytest`) of the default render and of
+6. The loss in chunks at world size 2, one 1,024-token sequence per micro-batch of the model above: the peak a
+   rank holds in a one-micro-batch step beyond its model state (torch's MemTracker) with train.loss_chunk = 128
+   (the output layer computes 128 positions' logits at a time) over the whole logits (0).
+7. Rendering the default project; the generated fast tier (`pytest`) of the default render and of
    a CPU render, and the default render's smoke test, each in a fresh torch.compile cache (cold),
    in wall seconds and in the CPU seconds of every process they ran (less sensitive to other work
    on the machine). The step and checkpoint timings are each the fastest of two runs, taken in turn.
-7. A mixture of experts (an MoE render's debug model, 8 experts of which 2 a token) on 2 ranks: the
+8. A mixture of experts (an MoE render's debug model, 8 experts of which 2 a token) on 2 ranks: the
    step time with its experts split between the ranks (expert parallelism 2, all-to-all) over every
    rank holding all of them (1), and the bytes its all-to-alls send in a step, measured from their
    split sizes (tests/moe_probe.py), over the plan's `expert_parallel_bytes`.
@@ -62,6 +65,8 @@ QUICK_SIZE = ["--train.micro_batch_size", "4"]
 # Context parallelism: one sequence per micro-batch, long enough that what grows with it dominates a rank's memory.
 LONG = [*MEDIUM[:-6], "--model.max_seq_len", "1024", "--train.seq_len", "1024", "--train.micro_batch_size", "1"]
 QUICK_LONG = ["--train.micro_batch_size", "1"]
+# The loss in chunks of this many positions, against the whole logits, on LONG's sequence (the quick mode's: 64).
+LOSS_CHUNK, QUICK_LOSS_CHUNK = "128", "16"
 # One generated test that launches nothing: the quick mode's stand-in for the timed pytest runs.
 QUICK_SELECTION = ["tests/test_fsdp_rules.py::test_train_py_structure"]
 ROWS = [
@@ -75,6 +80,7 @@ ROWS = [
     "host memory a rank adds exporting the weights, world size 2: sharded writer / rank-0 copy",
     "step time at world size 2, one sequence per micro-batch: context parallel 2 / FSDP alone",
     "peak a rank holds beyond its model state in that step: context parallel 2 / FSDP alone",
+    "peak a rank holds beyond its model state in that step: the loss in chunks of 128 / the whole logits",
     "render the default project",
     "generated fast tier (`pytest`), default render, cold",
     "generated smoke test (`pytest tests/test_smoke.py`), default render, cold",
@@ -254,12 +260,12 @@ def context_parallel_step_seconds(project: Path, run: Path, size: list[str], ste
     return statistics.median(r["step_time_s"] for r in records[3:])  # skip warm-up steps
 
 
-def context_parallel_held_bytes(project: Path, run: Path, size: list[str], degree: int) -> int:
+def held_bytes(project: Path, run: Path, size: list[str], *overrides: str) -> int:
     """Bytes rank 0 holds at the peak of a one-micro-batch step beyond its parameters, gradients and AdamW
-    state, at world size 2 with parallel.context_parallel = `degree` (tests/fsdp_probe.py's MemTracker)."""
+    state, at world size 2 with `overrides` (tests/fsdp_probe.py's MemTracker)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "fsdp_probe",
            "--config", str(project / "configs" / "debug.toml"), "--device", "cpu", "--run_dir", str(run), *size,
-           "--train.global_batch_size", "4", "--parallel.context_parallel", str(degree)]  # fmt: skip
+           "--train.global_batch_size", "4", *overrides]  # fmt: skip
     run.mkdir(parents=True, exist_ok=True)
     done = subprocess.run(cmd, cwd=project, env=env_for(project), capture_output=True, text=True)
     if done.returncode:
@@ -433,7 +439,10 @@ def measure(quick: bool) -> list[dict]:
             lambda i: context_parallel_step_seconds(project, tmp / f"cp2-{i}", long, long_steps, 2),
             lambda i: context_parallel_step_seconds(project, tmp / f"cp1-{i}", long, long_steps, 1),
         )
-        held = {d: context_parallel_held_bytes(project, tmp / f"cp-probe{d}", long, d) for d in (1, 2)}
+        cp = "--parallel.context_parallel"
+        held = {d: held_bytes(project, tmp / f"cp-probe{d}", long, cp, str(d)) for d in (1, 2)}
+        chunk = QUICK_LOSS_CHUNK if quick else LOSS_CHUNK
+        loss = {c: held_bytes(project, tmp / f"loss-probe{c}", long, "--train.loss_chunk", c) for c in (chunk, "0")}
         fast = pytest_seconds(tmp / "default", QUICK_SELECTION if quick else [])
         # The quick mode's selection is the same for both rows of the default render: it runs once.
         smoke = fast if quick else pytest_seconds(tmp / "default", ["tests/test_smoke.py"])
@@ -447,10 +456,13 @@ def measure(quick: bool) -> list[dict]:
         memory_row(ROWS[7], memory, "export"),
         ratio_row(ROWS[8], split, whole, f"{split * 1e3:.0f} ms / {whole * 1e3:.0f} ms", "about 1"),
         ratio_row(ROWS[9], held[2], held[1], f"{held[2] / 2**20:.0f} MiB / {held[1] / 2**20:.0f} MiB", "about 1/2"),
-        {"name": ROWS[10], "figures": {"wall_s": render_s}, "raw": "", "goal": ""},
-        seconds_row(ROWS[11], fast, "under 2 minutes"),
-        seconds_row(ROWS[12], smoke, "under a minute"),
-        seconds_row(ROWS[13], fast_cpu, "under 2 minutes"),
+        ratio_row(
+            ROWS[10], loss[chunk], loss["0"], f"{loss[chunk] / 2**20:.0f} MiB / {loss['0'] / 2**20:.0f} MiB", "< 1"
+        ),
+        {"name": ROWS[11], "figures": {"wall_s": render_s}, "raw": "", "goal": ""},
+        seconds_row(ROWS[12], fast, "under 2 minutes"),
+        seconds_row(ROWS[13], smoke, "under a minute"),
+        seconds_row(ROWS[14], fast_cpu, "under 2 minutes"),
         *measure_moe(quick),
     ]
 
@@ -475,8 +487,8 @@ def measure_moe(quick: bool) -> list[dict]:
         a2a = probes[2, 0]  # the bytes a step sends do not vary between runs: routing is seeded
     sent, planned = a2a["a2a_sent"], a2a["planned_a2a_sent"]
     return [
-        ratio_row(ROWS[14], ep2, ep1, f"{ep2 * 1e3:.0f} ms / {ep1 * 1e3:.0f} ms", MOE_STEP_GOAL),
-        ratio_row(ROWS[15], sent, planned, f"{sent:,.0f} B / {planned:,.0f} B", "about 1 (routing in balance)"),
+        ratio_row(ROWS[15], ep2, ep1, f"{ep2 * 1e3:.0f} ms / {ep1 * 1e3:.0f} ms", MOE_STEP_GOAL),
+        ratio_row(ROWS[16], sent, planned, f"{sent:,.0f} B / {planned:,.0f} B", "about 1 (routing in balance)"),
     ]
 
 

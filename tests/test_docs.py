@@ -66,7 +66,7 @@ def test_plan_explains_a_mixture_of_experts_and_its_degree(rendered):
     # estimate; the debug MoE on CPU ranks says why it plans none; dense renders have no such section.
     moe = sections((rendered["moe_30b_h100"] / "PLAN.md").read_text())["Mixture of experts"]
     assert "**30.53B parameters, of which a token is multiplied by\n3.35B**" in moe
-    assert "| **8** | 1 | selective, full, no |" in moe and "The planner picks" in moe and "**8**." in moe
+    assert "| **8** | 1 | selective, shard_grad_op, no |" in moe and "The planner picks" in moe and "**8**." in moe
     assert "dispatch buffers" in moe and "448.0 MiB per layer" in moe
     cpu = sections((rendered["cpu_moe"] / "PLAN.md").read_text())["Mixture of experts"]
     assert "CPU ranks gain nothing from it" in cpu

@@ -68,9 +68,9 @@ def test_llama_8b_on_8_gpus_by_hand(plan):
     assert P == 8_030_261_248  # the published parameter count
     s = shape(plan, "8b")
     assert (s.P, s.Pb, s.Pn) == (P, Pb, Pn)
-    # 8 GPUs, bf16 compute, full sharding, no activation checkpointing, 1 x 8192 tokens per rank.
+    # 8 GPUs, bf16 compute, full sharding, no activation checkpointing, 1 x 8192 tokens per rank, the logits whole.
     m = plan.memory_plan(s, seq_len=8192, micro_batch_size=1, precision="bf16", ac="none", sharding="full",
-                         cpu_offload=False, gpus_per_node=8, num_nodes=1)  # fmt: skip
+                         cpu_offload=False, gpus_per_node=8, num_nodes=1, loss_chunk=0)  # fmt: skip
     assert m.params == 4 * P / 8 == 4_015_130_624  # fp32 shards (the master weights)
     assert m.grads == 4 * P / 8 and m.optim == 8 * P / 8  # fp32 gradient shards, AdamW's two moments
     assert m.grads_live == 0  # one micro-batch: zero_grad(set_to_none) freed them before the forward
@@ -82,13 +82,23 @@ def test_llama_8b_on_8_gpus_by_hand(plan):
     assert m.total == pytest.approx(90_093_090_816)  # 83.9 GiB: does not fit 80 GiB ...
     assert not m.fits(80)
     sel = plan.memory_plan(s, seq_len=8192, micro_batch_size=1, precision="bf16", ac="selective", sharding="full",
-                           cpu_offload=False, gpus_per_node=8, num_nodes=1)  # fmt: skip
+                           cpu_offload=False, gpus_per_node=8, num_nodes=1, loss_chunk=0)  # fmt: skip
     assert sel.fits(80)  # ... selective checkpointing keeps matmul outputs only and does
-    # torchtitan measured 82.4 GiB for 8B on 8 H100s at 2 x 8192 tokens per rank with selective AC
-    # (benchmarks/llama3_h100_202412_torchtitan.md); the plan is within 15% of that.
+    # torchtitan measured 82.4 GiB for 8B on 8 H100s at 2 x 8192 tokens per rank with selective AC and the logits
+    # whole (benchmarks/llama3_h100_202412_torchtitan.md); the plan is within 15% of that.
     two = plan.memory_plan(s, seq_len=8192, micro_batch_size=2, precision="bf16", ac="selective", sharding="full",
-                           cpu_offload=False, gpus_per_node=8, num_nodes=1)  # fmt: skip
+                           cpu_offload=False, gpus_per_node=8, num_nodes=1, loss_chunk=0)  # fmt: skip
     assert two.total / GIB == pytest.approx(82.4, rel=0.15)
+    # The loss in chunks of 2,048 positions (the default, train.loss_chunk): one chunk's fp32 logits and their bf16
+    # copy, the hidden states' gradient, four floats per position and the head's bf16 weight gradient, in place of
+    # 14 bytes per logit: 1.58 + 0.07 + 0.0001 + 1.05 GB against 14.7 GB; without checkpointing the step still
+    # needs 72.7 GiB, just over the 72 GiB the headroom leaves of 80.
+    chunked = plan.memory_plan(s, seq_len=8192, micro_batch_size=1, precision="bf16", ac="none", sharding="full",
+                               cpu_offload=False, gpus_per_node=8, num_nodes=1)  # fmt: skip
+    loss = 2048 * 128256 * (4 + 2) + 8192 * (4096 * 2 + 16) + 128256 * 4096 * 2
+    assert chunked.activations == 8192 * 32 * per_token_layer + loss == 61_749_723_136
+    assert m.activations - chunked.activations == 12_015_501_312
+    assert round(chunked.total / GIB, 1) == 72.7 and not chunked.fits(80)
 
 
 def test_offload_moves_the_model_state_to_the_host(plan):
@@ -138,14 +148,16 @@ def test_lora_on_llama_8b_on_8_gpus_by_hand(plan):
     assert lora.params == (2 * s.P + 4 * A) / 8  # frozen weights in bf16, fp32 adapters
     assert lora.grads == 4 * A / 8 and lora.optim == 8 * A / 8
     assert lora.gathered == 2 * (s.Pb + Ab) * 2 + s.Pn * 2 and lora.gradbuf == Ab * (2 + 4)
-    assert lora.activations == full.activations  # selective recomputes the adapters' matmuls
+    # Selective recomputes the adapters' matmuls; the chunked loss sums no gradient for the frozen head.
+    assert lora.activations == full.activations - 128256 * 4096 * 2
     state = {name: m.params + m.grads + m.optim for name, m in (("full", full), ("lora", lora))}
     assert state["full"] - state["lora"] == pytest.approx((14 * s.P - 16 * A) / 8)  # 16 P / 8 against (2 P + 16 A) / 8
     assert (round(state["full"] / GIB, 1), round(state["lora"] / GIB, 1)) == (15.0, 1.9)
     # Every block without recomputation: the norms keep only their fp32 input, each adapter its rank-16 output.
     none = dict(kw, ac="none")
     per_token = 8 * 4096 + 2 * (5 * 4096 + 2 * 1024 + 4 * 14336 + 7 * 16)
-    assert plan.memory_plan(s, lora_rank=rank, **none).activations == 8192 * (32 * per_token + 128256 * (2 + 12))
+    loss = 2048 * 128256 * (4 + 2) + 8192 * (4096 * 2 + 16)  # the loss in chunks of 2,048 positions
+    assert plan.memory_plan(s, lora_rank=rank, **none).activations == 8192 * 32 * per_token + loss
     # Communication: the frozen weights are gathered twice as before, only the adapters' gradients are reduced.
     sent = plan.communication_bytes(s, "full", "bf16", 8, 1, lora_rank=rank)["intra"]
     assert sent == pytest.approx((2 * (32 * (s.Pb + Ab) + s.Pn) * 2 + 4 * A) * 7 / 8)
@@ -361,8 +373,14 @@ def test_tensor_parallel_splits_what_one_rank_holds_by_hand(plan):
     assert none == 16 * h / 4 + 2 * (2 * h + (3 * h + 2 * kv + 4 * f) / 4) == 136_192
     assert plan.activation_bytes_per_token(s, "bf16", "selective", tensor_parallel=4) == 74_752
     assert plan.activation_bytes_per_token(s, "bf16", "full", tensor_parallel=4) == 2 * h / 4
-    tokens, logits = 4 * 8192, 128256 * (2 + 12)  # the logits stay whole on every rank
-    assert four.activations == tokens * (80 * 4096 + 136_192 + logits) == 74_037_854_208
+    # The loss in chunks of 2,048 positions on each rank's quarter of the vocabulary (loss parallelism): a chunk's
+    # fp32 logits and their bf16 copy and the head's weight gradient split 4 ways; the hidden states' gradient and
+    # four floats per position whole.
+    tokens = 4 * 8192
+    loss = (2048 * 128256 * (4 + 2) + 128256 * 8192 * 2) / 4 + tokens * (8192 * 2 + 16)
+    assert four.activations == tokens * (80 * 4096 + 136_192) + loss == 16_656_891_904
+    whole_logits = plan.memory_plan(s, tensor_parallel=4, loss_chunk=0, **kw).activations
+    assert whole_logits == tokens * (80 * 4096 + 136_192 + 128256 * (2 + 12))  # the logits whole on every rank
     # Without sequence parallelism the norms and each block's input stay whole.
     whole = functools.partial(plan.activation_bytes_per_token, s, "bf16", tensor_parallel=4, sequence_parallel=False)
     assert whole("none") == 16 * h + 2 * (2 * h + (3 * h + 2 * kv + 4 * f) / 4) == 234_496
@@ -428,9 +446,12 @@ def test_tensor_parallel_is_recommended_where_fsdp_alone_is_communication_bound(
     # Where every degree needs CPU offload, offload decides nothing and 1 stays the cheapest (70B on one node).
     cfg = hardware_config("70b", "bf16", 8, 1, 80, "nvlink", "", "hopper")
     assert estimate(plan, cfg, 8, 1).cpu_offload and best_degree(plan, cfg, 1) == 1
-    # Ethernet between nodes makes even 8B communication-bound.
+    # Ethernet between nodes makes even 8B communication-bound: groups of 8, whose ranks fit 8 sequences a
+    # micro-batch with the loss in chunks (train.loss_chunk); with the logits whole they fit 4, and groups of 4 win.
     ethernet = hardware_config("8b", "bf16", 8, 4, 80, "nvlink", "ethernet", "hopper")
-    assert best_degree(plan, ethernet, 1) == 4
+    assert best_degree(plan, ethernet, 1) == 8 and estimate(plan, ethernet, 8, 1).micro_batch_size == 8
+    ethernet.train.loss_chunk = 0
+    assert best_degree(plan, ethernet, 1) == 4 and estimate(plan, ethernet, 8, 1).micro_batch_size == 4
     # Heads decide which degrees exist: 125m has 12 heads, so 8 is out.
     assert degrees_of(plan, hardware_config("125m", "bf16", 8, 1, 80, "nvlink", "", "hopper")) == [1, 2, 4]
 
@@ -518,10 +539,11 @@ def test_transformers_tensor_parallel_plans_are_planned_alike_at_question_and_ru
     # parallelism), so its estimates are its own; its degrees do not depend on the sequence length.
     grid = itertools.product(["8b", "70b"], [(8, 1), (8, 4)], [80, 180], ["nvlink"], ["infiniband", "ethernet"])
     assert tp_recommendations(plan, grid, "hf_causal_lm", name="hf_causal_lm") == {1, 2, 8}
-    # Whole activations cost memory. Llama 3.1 70B on 4 nodes of 8 x 80 GiB: the built-in model's pairs
-    # fit without CPU offload, so it plans them; transformers' pairs would need offload, so FSDP alone.
+    # Whole activations cost memory. Llama 3.1 70B on 4 nodes of 8 x 80 GiB with the logits whole: the built-in
+    # model's pairs fit without CPU offload, so it plans them; transformers' pairs would need offload, so FSDP alone.
     llama, hf = (hardware_config("70b", "bf16", 8, 4, 80, "nvlink", "infiniband", "hopper", name=name)
                  for name in ("llama", "hf_causal_lm"))  # fmt: skip
+    llama.train.loss_chunk = hf.train.loss_chunk = 0
     ours, theirs = estimate(plan, llama, 2, 1), estimate(plan, hf, 2, 1)
     assert (ours.cpu_offload, theirs.cpu_offload) == (False, True), (ours, theirs)
     assert (best_degree(plan, llama, 1), best_degree(plan, hf, 1)) == (2, 1)
@@ -534,7 +556,8 @@ def test_context_parallel_splits_the_activations_of_llama_8b_at_131072_tokens_by
     h, kv, f, V = 4096, 1024, 14336, 128256
     kw = dict(seq_len=131072, micro_batch_size=1, precision="bf16", ac="full", sharding="shard_grad_op",
               cpu_offload=False, gpus_per_node=8, num_nodes=1)  # fmt: skip
-    one, eight = plan.memory_plan(s, **kw), plan.memory_plan(s, context_parallel=8, **kw)
+    whole = dict(kw, loss_chunk=0)  # the logits whole, as before train.loss_chunk
+    one, eight = plan.memory_plan(s, **whole), plan.memory_plan(s, context_parallel=8, **whole)
     # The model state is sharded over the same 8 ranks either way (FSDP shards over dp_shard x cp).
     assert (eight.params, eight.optim, eight.gathered) == (one.params, one.optim, one.gathered)
     # Per token a rank holds: the block inputs (2h bytes each), the block recomputed in backward, the logits.
@@ -546,8 +569,17 @@ def test_context_parallel_splits_the_activations_of_llama_8b_at_131072_tokens_by
     assert round(one.total / GIB, 1) == 306.1 and round(eight.total / GIB, 1) == 62.2 and eight.fits(80)
     # Without context parallelism the least any plan needs (full sharding with offload) is what the question
     # refused before: "'seq_len': 8192 tokens fit: 131072 need 282.7 GiB per GPU, 72.0 usable".
-    least = plan.memory_plan(s, **{**kw, "sharding": "full", "cpu_offload": True})
+    least = plan.memory_plan(s, **{**whole, "sharding": "full", "cpu_offload": True})
     assert round(least.total / GIB, 1) == 282.7
+    # The loss in chunks of 2,048 positions (the default): 29.4 GB of logits per GPU at CP 8 become one chunk's
+    # 1.6 GB, the hidden states' gradient, four floats per position and the head's gradient (2.8 GB in all).
+    eight = plan.memory_plan(s, context_parallel=8, **kw)
+    loss = 2048 * V * (4 + 2) + 16384 * (2 * h + 16) + V * h * 2
+    assert eight.activations == 16384 * (32 * 2 * h + recomputed) + loss == 10_747_117_568
+    assert round(eight.total / GIB, 1) == 37.4
+    # ... and without context parallelism the least plan fits: 66.9 GiB, with CPU offload.
+    least = plan.memory_plan(s, **{**kw, "sharding": "full", "cpu_offload": True})
+    assert round(least.total / GIB, 1) == 66.9 and least.fits(80)
     # Key/value heads that a degree does not divide are repeated to the query heads: with tensor parallelism 2
     # a rank holds 4 of them, and 8 ranks of context parallelism would need 8 (the degrees it has are 2 and 4;
     # with 4 they divide). Selective checkpointing keeps the all-to-alls' outputs, p (2h + 2g) / t more.
@@ -820,7 +852,8 @@ VOLTA = {"accelerator": "cuda", "gpu_arch": "volta", "gpus_per_node": 8, "num_no
 
 
 def test_a_refused_plan_choice_suggests_a_plan_that_fits_the_answers_given_and_its_figure(plan):
-    a = {**VOLTA, "seq_len": int(ask("default_seq_len()", VOLTA))}
+    # 32,768 tokens: at the default length (8,192) the loss in chunks leaves room to spare without offload.
+    a = {**VOLTA, "seq_len": 32768}
     # In a terminal the later questions come after: the cheapest plan with full recomputation is the fix.
     assert ask("ac_choice('selective')", a).startswith("choose activation_checkpointing=full: at best ")
     # Given DDP without the ZeRO optimizer and without offload on the command line, full recomputation alone

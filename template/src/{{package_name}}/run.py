@@ -35,6 +35,7 @@ from .distributed import (
     resolve_device,
 )
 from .evaluate import checkpoint_to_evaluate
+from .loss import apply_chunked_loss, loss_chunk
 from .metrics import init_logging
 from .models import ModelConfig, ModelSpec, model_spec
 from .models.lora import apply_lora, lora_rank
@@ -104,6 +105,8 @@ def build_run(cfg: Config, *, env: DistEnv | None = None, faults: FaultHook | No
     model = build_model_meta(
         spec=spec, model=cfg.model, finetune=cfg.finetune, parallel=cfg.parallel, env=env, strategy=strategy,
         init_from=cfg.checkpoint.init_from, seed=cfg.train.seed, init_weights=resume is None,
+        loss_chunk=loss_chunk(train=cfg.train, context_parallel=cfg.parallel.context_parallel,
+                              logits=spec.shape(cfg.model).logits),
     )  # fmt: skip
     optimizer, scheduler = build_optimizer(model, train=cfg.train, strategy=strategy)
     data = {"data": cfg.data, "train": cfg.train, "eval": cfg.eval, "model": cfg.model}
@@ -140,13 +143,15 @@ def init_distributed(*, device: str, dist: DistConfig, parallel: ParallelConfig,
 
 def build_model_meta(
     *, spec: ModelSpec, model: ModelConfig, finetune: FinetuneConfig, parallel: ParallelConfig, env: DistEnv,
-    strategy: Strategy, init_from: str, seed: int, init_weights: bool,
+    strategy: Strategy, init_from: str, seed: int, init_weights: bool, loss_chunk: int = 0,
 ) -> nn.Module:  # fmt: skip
-    """Build on the meta device (with LoRA's adapters for finetune.method=lora), parallelize, materialise
-    this rank's shards, set the weights (unless a checkpoint will: `init_weights`=False), wrap."""
+    """Build on the meta device (with LoRA's adapters for finetune.method=lora, and an output layer that computes
+    the loss in chunks of `loss_chunk` positions unless 0), parallelize, materialise this rank's shards, set the
+    weights (unless a checkpoint will: `init_weights`=False), wrap."""
     with torch.device("meta"):
         module = spec.build(model)
     apply_lora(module, finetune=finetune, layout=spec.lora, frozen_dtype=DTYPES[parallel.mixed_precision])
+    apply_chunked_loss(module, loss_chunk)  # before parallelize: tensor parallelism and FSDP keep its class
     parallelize(module, parallel=parallel, mesh=env.mesh, tp_plan=spec.tensor_parallel_plan(model),
                 cp_plan=spec.cp_plan, adapter_rank=lora_rank(finetune), expert_mesh=env.expert_mesh,
                 one_rank=shards_nothing(env.degrees, parallel))  # fmt: skip

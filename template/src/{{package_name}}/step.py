@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -23,6 +22,7 @@ from .config import ParallelConfig, TrainConfig
 from .context_parallel import SequenceSplit
 from .data import IGNORE_INDEX, Batch
 from .parallelize import float8_after_update
+from .loss import ChunkedHead, chunked_head, cross_entropy, scoring
 from .strategy import Strategy
 
 
@@ -49,6 +49,8 @@ class StepContext:
     """Skips and reports steps whose gradient norm is not finite (None: none are, fp16's loss scaler skips them)."""
     after_update: Callable[[], None] | None = None
     """Runs after each optimizer step: float8's scales for the next all-gather (parallelize.float8_after_update)."""
+    loss_head: ChunkedHead | None = None
+    """The model's output layer when it computes the loss in chunks (loss.py); None: the model returns logits."""
 
 
 @dataclass
@@ -165,11 +167,12 @@ def build_step_context(
         experts=experts,
         nonfinite=None if fp16 else NonFinite(device, every=log_every, last=train.steps),
         after_update=float8,
+        loss_head=chunked_head(model) if model is not None else None,
     )
 
 
 def scaled_loss(micro_batches: list[Batch], ctx: StepContext) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """The loss of one micro-batch (flat logits and targets), scaled so that the ranks' gradients, which
+    """The loss of one micro-batch (the model's output and the targets), scaled so that the ranks' gradients, which
     FSDP and DDP average, average to the gradient of the mean over every scored target of the global batch.
 
     When every target is scored, every micro-batch has as many, and its mean / len does it. With
@@ -183,8 +186,9 @@ def scaled_loss(micro_batches: list[Batch], ctx: StepContext) -> Callable[[torch
     targets) is a share of the sequence's, which FSDP's average over the group (it shards over it too)
     adds up. The logged loss, the mean over ranks, is then the one a single rank computes.
     """
+    chunked = ctx.loss_head is not None  # the model returns each position's loss (loss.py), not its logits
     if not ctx.scored_targets_only:
-        return lambda logits, targets: F.cross_entropy(logits, targets) / len(micro_batches)
+        return lambda out, targets: cross_entropy(out, targets, chunked=chunked) / len(micro_batches)
     scored = torch.stack([(targets != IGNORE_INDEX).sum() for _, targets in micro_batches]).sum()
     world = 1
     if dist.is_initialized():
@@ -193,8 +197,8 @@ def scaled_loss(micro_batches: list[Batch], ctx: StepContext) -> Callable[[torch
     # Tensor parallelism: a group's ranks count the same targets, and the group size cancels.
     per_rank = scored.clamp(min=1) / world  # nothing scored in the whole step: a zero loss, not 0/0
 
-    def summed(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum") / per_rank
+    def summed(out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return cross_entropy(out, targets, chunked=chunked, reduction="sum") / per_rank
 
     return summed
 
@@ -209,12 +213,12 @@ def train_step(model: nn.Module, optimizer, scheduler, micro_batches: list[Batch
     loss_sum, aux_sum = torch.zeros((), device=ctx.device), torch.zeros((), device=ctx.device)
     for i, (inputs, targets) in enumerate(micro_batches):
         sync = i == len(micro_batches) - 1 or ctx.sync_every_microbatch
-        with ctx.strategy.gradient_sync(model, sync):
+        with ctx.strategy.gradient_sync(model, sync), scoring(ctx.loss_head, targets):
             with ctx.strategy.autocast():  # the forward alone: backward computes in the dtypes it chose
                 # model(x), never model.forward(x): FSDP hooks live in __call__
-                logits = model(inputs) if positions[i] is None else model(inputs, positions=positions[i])
+                out = model(inputs) if positions[i] is None else model(inputs, positions=positions[i])
             # The micro-batch losses sum to this rank's share of the global-batch mean (scaled_loss).
-            loss = loss_of(logits.flatten(0, -2).float(), targets.flatten())
+            loss = loss_of(out, targets)
             objective = loss
             if ctx.experts is not None:  # the router's aux loss, averaged over the micro-batches likewise
                 aux = ctx.experts.aux_loss()

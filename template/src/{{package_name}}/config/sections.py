@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from ..presets import DEBUG_RUN, EXPORT_FILE_GB, LLAMA_PRESETS, LORA
+from ..presets import DEBUG_RUN, EXPORT_FILE_GB, LLAMA_PRESETS, LORA, LOSS_CHUNK
 from .usage import failed
 
 # The defaults are the debug run's (configs/debug.toml), from presets.py.
@@ -44,6 +44,8 @@ class TrainConfig:
     """AdamW betas."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping (the norm is still logged)."""
+    loss_chunk: int = LOSS_CHUNK
+    """The loss in chunks of this many positions where a rank's micro-batch has more (loss.py); 0: never."""
     seed: int = 0
     """Seed for weight init and data order; the same seed gives the same run at any world size."""
 
@@ -55,6 +57,7 @@ class TrainConfig:
                 f"train.warmup_steps={self.warmup_steps} must be in [0, train.steps)",
             ),
             (self.lr > 0, f"train.lr={self.lr} must be positive"),
+            (self.loss_chunk >= 0, f"train.loss_chunk={self.loss_chunk} must be 0 (whole logits) or positive"),
             (self.micro_batch_size > 0, f"train.micro_batch_size={self.micro_batch_size} must be positive"),
             (
                 self.micro_batch_size > 0 and self.global_batch_size % self.micro_batch_size == 0,

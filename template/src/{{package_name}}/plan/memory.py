@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from ..config import FinetuneConfig, HardwareConfig, ParallelConfig, TrainConfig
 from ..distributed import Degrees, parallel_degrees
 from ..models import ModelConfig, ModelShape, model_shape, model_spec
-from ..presets import HEADROOM, LORA
+from ..presets import HEADROOM, LORA, LOSS_CHUNK
 
 GIB = 2**30
 SHARDINGS = ("no_shard", "shard_grad_op", "full", "hybrid")
@@ -60,7 +60,7 @@ def memory_plan(
     cpu_offload: bool, gpus_per_node: int, num_nodes: int, grad_accum: int = 1, sync_every_microbatch: bool = False,
     zero_optimizer: bool = False, prefetch_blocks: int = 0, float8: str = "none", lora_rank: int = 0,
     lora_targets: str = LORA["targets"], tensor_parallel: int = 1, sequence_parallel: bool = True,
-    context_parallel: int = 1, expert_parallel: int = 1,
+    context_parallel: int = 1, expert_parallel: int = 1, loss_chunk: int = LOSS_CHUNK,
 ) -> MemoryPlan:  # fmt: skip
     """Bytes per rank of each term, for the model's shape `s` (P parameters, Pb per block, Pn outside the
     blocks, L blocks, vocabulary V), p bytes per element of the compute dtype, G = the shard group's ranks
@@ -82,6 +82,12 @@ def memory_plan(
                     backward), where a = activation_bytes_per_token and V (p + 12) is the logits, their
                     fp32 copy, the log-softmax output and its gradient (whole on every rank of a
                     tensor-parallel group: no loss parallelism; a context-parallel rank's for its tokens).
+                    With more than `loss_chunk` such positions (train.loss_chunk, 0: never) the loss is computed
+                    in chunks of C = loss_chunk (loss.py), and V (p + 12) per position becomes C V (4 + p') / t
+                    + T (h p + 16) + V h p / t: one chunk's fp32 logits (and below fp32, p' = p, its copy in
+                    the compute dtype) on this rank's share of the vocabulary (loss parallelism), the hidden
+                    states' gradient, four floats per position (losses, their gradient, log-sum-exps, scales)
+                    and the head's weight gradient, which the chunks sum into (none with LoRA: it is frozen).
         grads_live  the gradients alive during the forward pass: none with one micro-batch a step
                     (zero_grad(set_to_none) frees them first); with accumulation the sharded 4P / G t,
                     or 4P / t where FSDP keeps unsharded fp32 gradients until the last micro-batch.
@@ -132,10 +138,23 @@ def memory_plan(
     tokens = (s.tokens or seq_len) * micro_batch_size / context_parallel
     logits = (s.logits or seq_len) * micro_batch_size / context_parallel
     extra = per_layer("none") if ac == "full" else 0  # the one block being recomputed in backward
-    activations = tokens * (s.L * per_layer(ac) + extra) + logits * s.V * (p + 12)
+    loss = loss_bytes(s, positions=logits, p=p, loss_chunk=loss_chunk, tensor_parallel=t, trained_head=not lora_rank)
+    activations = tokens * (s.L * per_layer(ac) + extra) + loss
     host = params + grads + optim if cpu_offload else 0
     dispatch = 2 * tokens * s.top_k * s.h * p if expert_parallel > 1 and s.sparse_layers else 0
     return MemoryPlan(params, grads, optim, grads_live, gathered, gradbuf, activations, host, dispatch)
+
+
+def loss_bytes(
+    s: ModelShape, *, positions: float, p: int, loss_chunk: int, tensor_parallel: int = 1, trained_head: bool = True
+) -> float:
+    """What the loss of `positions` that produce logits holds at its peak, with p bytes per element of the compute
+    dtype (memory_plan's V (p + 12) per position, or in chunks of `loss_chunk`: its formula there).
+    tests/test_chunked_loss.py measures both on the CPU."""
+    if not 0 < loss_chunk < positions:  # loss.py's loss_chunk rule: the logits whole
+        return positions * s.V * (p + 12)
+    head = s.V * s.h * p if trained_head else 0
+    return (loss_chunk * s.V * (4 + (p if p < 4 else 0)) + head) / tensor_parallel + positions * (s.h * p + 16)
 
 
 def block_gather_bytes(
@@ -213,5 +232,5 @@ def plan_for(
         zero_optimizer=p.zero_optimizer if zero_optimizer is None else zero_optimizer,
         prefetch_blocks=p.prefetch_blocks, float8=p.float8, **lora_of(finetune=finetune, method=method),
         tensor_parallel=p.tensor_parallel, sequence_parallel=sequence_parallel(model=model, parallel=p),
-        context_parallel=p.context_parallel, expert_parallel=p.expert_parallel,
+        context_parallel=p.context_parallel, expert_parallel=p.expert_parallel, loss_chunk=train.loss_chunk,
     )  # fmt: skip
