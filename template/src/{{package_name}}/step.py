@@ -21,8 +21,8 @@ from torch.distributed.tensor import DTensor
 from .config import ParallelConfig, TrainConfig
 from .context_parallel import SequenceSplit
 from .data import IGNORE_INDEX, Batch
-from .parallelize import float8_after_update
 from .loss import ChunkedHead, chunked_head, cross_entropy, scoring
+from .parallelize import float8_after_update
 from .strategy import Strategy
 
 
