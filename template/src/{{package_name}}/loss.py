@@ -50,7 +50,7 @@ logger = logging.getLogger(__name__)
 def loss_chunk(*, train: TrainConfig, context_parallel: int, logits: int = 0) -> int:
     """Positions per chunk of the loss, or 0 for the whole logits: train.loss_chunk where a rank's micro-batch has
     more positions that produce logits (`logits` per sample, the model shape's: 0 for every token, 1 for a
-    classifier's one). The planner (plan/memory.py, and hooks/plan.jinja at question time) applies the same rule."""
+    classifier's one). The planner (plan/memory.py, and the template's hooks/plan.jinja at question time) applies the same rule."""
     positions = (logits or train.seq_len) * train.micro_batch_size // context_parallel
     return train.loss_chunk if 0 < train.loss_chunk < positions else 0
 
