@@ -16,7 +16,7 @@ each chunk's logits again, turns them into softmax - one-hot, and from that the 
 its share of the weight's, summed into one buffer (Liger's fused linear cross-entropy does the same in forward, and
 keeps both gradients from forward to backward instead; torchtune's chunked loss keeps every chunk's logits).
 The matmuls and the cross-entropy's arithmetic are the whole computation's, so in fp32 the loss and the gradients
-equal it within rounding (tests/test_chunked_loss.py: 1e-6). Below fp32 the weight's gradient is summed chunk by
+equal it within rounding (the chunked-loss tests: 1e-6). Below fp32 the weight's gradient is summed chunk by
 chunk in the compute dtype (as Liger does, and autograd where a weight is used more than once), which rounds once a
 chunk: in bf16, 16 chunks of 512 positions put its largest error at 1.2e-2 of its largest value, 3.8e-3 whole;
 an fp32 sum would cost 4 bytes a weight more.
@@ -50,7 +50,8 @@ logger = logging.getLogger(__name__)
 def loss_chunk(*, train: TrainConfig, context_parallel: int, logits: int = 0) -> int:
     """Positions per chunk of the loss, or 0 for the whole logits: train.loss_chunk where a rank's micro-batch has
     more positions that produce logits (`logits` per sample, the model shape's: 0 for every token, 1 for a
-    classifier's one). The planner (plan/memory.py, and the template's hooks/plan.jinja at question time) applies the same rule."""
+    classifier's one). The planner (plan/memory.py, and the template's hooks/plan.jinja at question time) applies
+    the same rule."""
     positions = (logits or train.seq_len) * train.micro_batch_size // context_parallel
     return train.loss_chunk if 0 < train.loss_chunk < positions else 0
 

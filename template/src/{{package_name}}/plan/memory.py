@@ -150,7 +150,7 @@ def loss_bytes(
 ) -> float:
     """What the loss of `positions` that produce logits holds at its peak, with p bytes per element of the compute
     dtype (memory_plan's V (p + 12) per position, or in chunks of `loss_chunk`: its formula there).
-    tests/test_chunked_loss.py measures both on the CPU."""
+    The chunked-loss tests measure both on the CPU."""
     if not 0 < loss_chunk < positions:  # loss.py's loss_chunk rule: the logits whole
         return positions * s.V * (p + 12)
     head = s.V * s.h * p if trained_head else 0
