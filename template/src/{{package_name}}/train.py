@@ -128,7 +128,7 @@ def train_loop(run: Run, start: int) -> Outcome:
             if pace.together:  # a rank that has joined could take part in neither
                 validate_and_save(run, metrics, step, last=pace.last, final=job_done or step == pace.last)
             if job_done:
-                why = "a preemption signal" if preempted else "train.stop_after_steps"
+                why = "preemption signal" if preempted else "train.stop_after_steps"
                 logger.info("stopping after step %d (%s); resume with the same command", step, why)
                 break
     if not pace.together:  # every rank is back in step: where the longest-running rank stopped
