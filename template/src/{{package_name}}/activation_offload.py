@@ -34,7 +34,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-KEEP = 2
+from .presets import ACTIVATION_OFFLOAD
+
+KEEP = ACTIVATION_OFFLOAD["keep"]
 """Block inputs a device holds at a time: the last two blocks' never leave it, and each other block's comes back
 while the block after it runs its backward. In forward, a block's input and the previous one's, whose copy to the
 host may still be running."""
@@ -156,7 +158,8 @@ class BlockInputParking:
         if side is None:
             parked.fetched = parked.host.to(parked.device, copy=True)
             return
-        with torch.get_device_module(parked.device).stream(side):  # after the copy to the host, in the side stream's order
+        # After the copy to the host, in the side stream's order.
+        with torch.get_device_module(parked.device).stream(side):
             parked.fetched = parked.host.to(parked.device, non_blocking=True)
             parked.arrived = side.record_event()
 
