@@ -52,10 +52,10 @@ class PlanChoice(NamedTuple):
 
 def cheapest(
     *, model: ModelConfig, train: TrainConfig, parallel: ParallelConfig, hardware: HardwareConfig,
-    finetune: FinetuneConfig, checkpoint: CheckpointConfig,
+    finetune: FinetuneConfig, checkpoint: CheckpointConfig, activation_offload: bool | None = None,
 ) -> PlanChoice | None:  # fmt: skip
     """The cheapest (activation checkpointing, sharding, CPU offload, activation offload) that fits the device and
-    the node's RAM; None if nothing does.
+    the node's RAM; None if nothing does. `activation_offload` fixes that choice (None: the planner's).
 
     Sharding harder is tried before recomputing (recomputation costs every step). Then activation offload, with
     selective and then full checkpointing: the checkpointed blocks' inputs cross the host link twice a step
@@ -71,7 +71,8 @@ def cheapest(
     degrees = (parallel.tensor_parallel, parallel.context_parallel, parallel.expert_parallel)
     shardings = ("full",) if cpu else sharding_candidates(hw.num_nodes, hw.inter_node_link, *degrees)
     args = dict(model=model, train=train, parallel=parallel, hardware=hw, finetune=finetune)
-    for offload, parked, ac in ((o, a, m) for o in (False, True) for a in (False, True) for m in AC_MODES):
+    parking = (False, True) if activation_offload is None else (activation_offload,)
+    for offload, parked, ac in ((o, a, m) for o in (False, True) for a in parking for m in AC_MODES):
         if cpu and (offload or parked) or parked and ac == "none":  # offload frees nothing on a CPU rank
             continue
         for sharding in shardings:
@@ -259,15 +260,18 @@ def recommend_context_parallel(
     """The smallest context-parallel degree with which train's micro-batch of train's sequences fits some plan:
     1 when they fit without it (it costs all-to-alls in every block, and a group reads the same sequences, so
     the global batch shrinks with it); the largest degree when none fits (the checks then refuse it). Each
-    degree is planned as the template writes its config: one micro-batch per data-parallel rank a step."""
+    degree is planned as the template writes its config: one micro-batch per data-parallel rank a step. Plans
+    without activation offload first: the group's all-to-alls stay on the link inside a node, where the parked
+    inputs would cross the host link."""
     degrees = context_parallel_degrees(model=model, train=train, parallel=parallel, hardware=hardware)
-    for degree in degrees:
-        trial = replace(parallel, context_parallel=degree)
-        dp = planned_degrees(parallel=trial, hardware=hardware).dp
-        batch = replace(train, global_batch_size=train.micro_batch_size * dp)
-        if cheapest(model=model, train=batch, parallel=trial, hardware=hardware, finetune=finetune,
-                    checkpoint=checkpoint):  # fmt: skip
-            return degree
+    for parking in (False, None):
+        for degree in degrees:
+            trial = replace(parallel, context_parallel=degree)
+            dp = planned_degrees(parallel=trial, hardware=hardware).dp
+            batch = replace(train, global_batch_size=train.micro_batch_size * dp)
+            if cheapest(model=model, train=batch, parallel=trial, hardware=hardware, finetune=finetune,
+                        checkpoint=checkpoint, activation_offload=parking):  # fmt: skip
+                return degree
     return degrees[-1]
 
 
