@@ -70,6 +70,11 @@ class BlockInputParking:
         self.peak_device_bytes = 0
         """The most bytes of parked blocks' inputs held on the device at once (copies in flight, prefetched)."""
 
+    @property
+    def parked_blocks(self) -> int:
+        """Blocks whose inputs leave the device: all but the last KEEP."""
+        return max(self.blocks - KEEP, 0)
+
     def attach(self, layers: nn.ModuleList) -> None:
         """Hook every block: its forward saves under these hooks. Not traced by torch.compile: the hooks run
         around the compiled block, whose saved tensors they see as an eager block's."""

@@ -79,7 +79,9 @@ def parallelize(
         apply_ep(model.layers, expert_mesh["ep"])
     apply_ac(model.layers, parallel.activation_checkpointing, adapter_rank=adapter_rank)
     if parallel.activation_offload:
-        apply_activation_offload(model.layers)  # its hooks run around the compiled blocks, so it has blocks to hook
+        parking = apply_activation_offload(model.layers)  # its hooks run around compiled blocks: blocks to hook
+        logger.info("activation offload: the inputs of %d of %d blocks wait for backward in host memory",
+                    parking.parked_blocks, len(model.layers))  # fmt: skip
     if parallel.compile and one_rank and not parallel.activation_offload:
         apply_compile_whole(model, parallel.compile_backend)
     elif parallel.compile:
