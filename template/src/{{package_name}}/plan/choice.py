@@ -170,18 +170,17 @@ def largest_fitting_micro_batch(
     finetune: FinetuneConfig, checkpoint: CheckpointConfig, start: int,
 ) -> tuple[int, PlanChoice] | None:  # fmt: skip
     """The largest halving of `start` sequences per GPU (twelve halvings at most) whose cheapest plan fits, with
-    that plan; None when none fits. A tensor- or context-parallel group reads the
-    same sequences, so the global batch is micro x the data-parallel ranks."""
+    that plan; None when none fits. A tensor- or context-parallel group reads the same sequences, so the global
+    batch is micro x the data-parallel ranks. Plans without activation offload first: a larger micro-batch is no
+    reason to park block inputs."""
     dp = planned_degrees(parallel=parallel, hardware=hardware).dp
-    for i in range(12):
-        micro = start // 2**i
-        if micro < 1:
-            return None
-        batch = replace(train, micro_batch_size=micro, global_batch_size=micro * dp)
-        choice = cheapest(model=model, train=batch, parallel=parallel, hardware=hardware, finetune=finetune,
-                          checkpoint=checkpoint)  # fmt: skip
-        if choice:
-            return micro, choice
+    for parking in (False, None):
+        for micro in (start // 2**i for i in range(12) if start // 2**i >= 1):
+            batch = replace(train, micro_batch_size=micro, global_batch_size=micro * dp)
+            choice = cheapest(model=model, train=batch, parallel=parallel, hardware=hardware, finetune=finetune,
+                              checkpoint=checkpoint, activation_offload=parking)  # fmt: skip
+            if choice:
+                return micro, choice
     return None
 
 
