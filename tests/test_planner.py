@@ -956,8 +956,9 @@ VOLTA = {"accelerator": "cuda", "gpu_arch": "volta", "gpus_per_node": 8, "num_no
 
 
 def test_a_refused_plan_choice_suggests_a_plan_that_fits_the_answers_given_and_its_figure(plan):
-    # 32,768 tokens: at the default length (8,192) the loss in chunks leaves room to spare without offload.
-    a = {**VOLTA, "seq_len": 32768}
+    # 49,152 tokens: at the default length (8,192) the loss in chunks leaves room to spare without offload, and at
+    # 32,768 full recomputation with the blocks' inputs parked in host memory does.
+    a = {**VOLTA, "seq_len": 49152}
     # In a terminal the later questions come after: the cheapest plan with full recomputation is the fix.
     assert ask("ac_choice('selective')", a).startswith("choose activation_checkpointing=full: at best ")
     # Given DDP without the ZeRO optimizer and without offload on the command line, full recomputation alone
@@ -968,9 +969,10 @@ def test_a_refused_plan_choice_suggests_a_plan_that_fits_the_answers_given_and_i
     fix = "choose activation_checkpointing=full, sharding=full and cpu_offload=true: at best "
     assert refusal.startswith(fix) and refusal.endswith(" GiB per GPU, 28.8 usable"), refusal
     figure = float(refusal[len(fix) :].split()[0])
-    m = plan.memory_plan(shape(plan, "8b"), seq_len=a["seq_len"], micro_batch_size=1, precision="fp16", ac="full",
-                         sharding="full", cpu_offload=True, gpus_per_node=8, num_nodes=1)  # fmt: skip
-    assert figure == round(m.total / GIB, 1) and m.fits(32)
+    m, kept = (plan.memory_plan(shape(plan, "8b"), seq_len=a["seq_len"], micro_batch_size=1, precision="fp16",
+                                ac="full", sharding="full", cpu_offload=True, gpus_per_node=8, num_nodes=1,
+                                activation_offload=parked) for parked in (True, False))  # fmt: skip
+    assert figure == round(m.total / GIB, 1) and m.fits(32) and not kept.fits(32)  # its blocks' inputs parked too
     # Following half of the fix, the next refusal asks for the rest with the same figure (before: "choose
     # sharding=full: at best 69.8", DDP's with the ZeRO optimizer the user had turned off).
     half = ask("sharding_choice('no_shard')", {**a, "activation_checkpointing": "full"}, given)
