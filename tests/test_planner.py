@@ -11,7 +11,7 @@ import json
 import random
 import re
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
@@ -210,7 +210,7 @@ def test_each_planner_macro_is_a_function_of_the_render_by_the_same_name(plan, m
     where = [plan, importlib.import_module("planpkg.distributed"), importlib.import_module("planpkg.models"), shape]
     named = {"moe_activation_bytes": shape.MoeShape.activation_bytes}
     missing = [name for name in macros if name not in named and not any(hasattr(module, name) for module in where)]
-    assert not missing and len(macros) == 26, (missing, macros)
+    assert not missing and len(macros) == 28, (missing, macros)
     answers = (TEMPLATE / "hooks" / "answers.jinja").read_text()
     assert "macro largest_fitting_micro_batch(" in answers and hasattr(moepkg.choice, "largest_fitting_micro_batch")
     for name in macros:
@@ -239,7 +239,7 @@ def test_question_time_derives_degrees_in_parallel_degrees_only():
 def test_question_time_and_run_time_memory_agree(plan):
     # plan.jinja's memory_plan (with model_shape, activation_bytes_per_token, adapter_params, block_gather_bytes and
     # parallel_degrees) against plan/memory.py's memory_plan on the shape models/llama/shape.py declares.
-    fields = ["params", "grads", "optim", "grads_live", "gathered", "gradbuf", "activations", "host", "total"]
+    fields = ["params", "grads", "optim", "grads_live", "gathered", "gradbuf", "activations", "host", "parked", "total"]
     checked = {"full": 0, "lora": 0}
     for preset, precision, ac, sharding, offload, (gpus, nodes), accum, sync, zero, prefetch, finetune in GRID:
         if sharding == "no_shard" and (offload or prefetch) or sharding != "no_shard" and zero:
@@ -299,8 +299,8 @@ def test_question_time_and_run_time_recommendations_agree(plan, tmp_path):
             "recommend", preset, p["seq_len"], p["micro_batch_size"], precision, gpus, nodes, memory, link, "cuda",
             finetune,
         )  # fmt: skip
-        ac, sharding, offload = plan.recommend(**subs(cfg))
-        assert q == f"{ac},{sharding},{str(offload).lower()}", (preset, precision, gpus, nodes, memory, link, finetune)
+        r = ",".join(str(choice).lower() for choice in plan.recommend(**subs(cfg)))  # ac,sharding,offload,parked
+        assert q == r, (preset, precision, gpus, nodes, memory, link, finetune)
         if finetune == "lora":
             without = jinja("recommend", preset, p["seq_len"], p["micro_batch_size"], precision, gpus, nodes, memory,
                             link, "cuda")  # fmt: skip
@@ -515,11 +515,12 @@ def tp_recommendations(plan, grid, model_type: str, **model_fields) -> set[int]:
             re_ = estimate(plan, cfg, t, p["micro_batch_size"])
             assert bool(qe) == (re_ is not None)
             if re_ is not None:
-                assert (qe["micro_batch_size"], qe["ac"], qe["sharding"], qe["offload"]) == (
+                assert (qe["micro_batch_size"], qe["ac"], qe["sharding"], qe["offload"], qe["activation_offload"]) == (
                     re_.micro_batch_size,
                     re_.ac,
                     re_.sharding,
                     re_.cpu_offload,
+                    re_.activation_offload,
                 )
                 assert qe["seconds_per_token"] == pytest.approx(re_.seconds_per_token, rel=1e-12)
         picked.add(r)
@@ -703,6 +704,109 @@ def test_host_memory_of_70b_on_one_24_gib_gpu_by_hand(plan):
     assert cpu.export == 2 * 2 * 5e9 / 2 + 2 * 4 * V * h and cpu.runtime == 2 * GIB
 
 
+def test_activation_offload_parks_the_inputs_of_all_blocks_but_two_by_hand(plan):
+    from planpkg.config import HardwareConfig
+
+    # Llama 3.1 8B at 131,072 tokens over a context-parallel group of 8 GPUs (16,384 tokens a GPU), bf16, full
+    # checkpointing: each block keeps its input, 16,384 x 4,096 x 2 bytes (128 MiB). Offload parks 30 of the 32 in
+    # host memory (the last two never leave the GPU: their backward comes first).
+    s = shape(plan, "8b")
+    kw = dict(seq_len=131072, micro_batch_size=1, precision="bf16", sharding="full", cpu_offload=False,
+              gpus_per_node=8, num_nodes=1, context_parallel=8)  # fmt: skip
+    kept, parked = (plan.memory_plan(s, ac="full", activation_offload=on, **kw) for on in (False, True))
+    block_input = 16384 * 4096 * 2
+    assert parked.parked == 30 * block_input == 4_026_531_840 and kept.parked == 0
+    assert kept.activations - parked.activations == kept.total - parked.total == parked.parked
+    # Selective checkpointing keeps the same inputs (and its matmul outputs, which stay); none keeps no input to park.
+    selective = plan.memory_plan(s, ac="selective", activation_offload=True, **kw)
+    assert selective.parked == parked.parked
+    assert plan.memory_plan(s, ac="none", activation_offload=True, **kw).parked == 0
+    # The node's RAM holds its 8 GPUs' parked inputs while training: 30 GiB more, the peak (with pretrained weights,
+    # whose slices each rank reads, start-up holds less).
+    host_kw = dict(accelerator="cuda", precision="bf16", gpus_per_node=8, num_nodes=1, cpu_offload=False,
+                   init_from=True)  # fmt: skip
+    without, with_parked = (plan.host_memory_plan(s, m, **host_kw) for m in (kept, parked))
+    assert with_parked.parked == 8 * parked.parked and with_parked.training - without.training == 30 * GIB
+    assert with_parked.total == with_parked.runtime + with_parked.os + with_parked.training
+    assert "activation offload 30.0" in with_parked.describe()
+    # Over the host link: each parked input to the host and back, 8.05 GB a step, 0.16 s at 50 GB/s (PCIe Gen5 x16 as
+    # a pinned copy reaches it), hidden behind 2.0 s of compute at 40% MFU.
+    sent = plan.activation_offload_bytes(s, "bf16", 16384, context_parallel=8)
+    assert sent == 2 * parked.parked
+    hopper = HardwareConfig(accelerator="cuda", gpu_arch="hopper", gpus_per_node=8)
+    seconds = plan.activation_offload_seconds(sent, hardware=hopper)
+    assert seconds == pytest.approx(sent / 50e9) == pytest.approx(0.161, abs=1e-3)
+    assert 6 * s.P * 16384 / (0.4 * 989e12) > 10 * plan.activation_offload_seconds(sent, hardware=hopper)
+    # Two blocks or fewer park nothing.
+    assert plan.parked_bytes(shape(plan, "8b", n_layers=2), 16384, 8192) == 0
+
+
+def test_the_planner_parks_block_inputs_before_it_offloads_the_model_state(plan):
+    from planpkg.config import Config, HardwareConfig, ParallelConfig, TrainConfig
+
+    # Llama 3.1 8B on its whole 131,072-token context on 8 x H100 80 GB, without context parallelism: with the blocks'
+    # inputs kept no plan fits but CPU offload's (full sharding, full recomputation: 66.9 GiB of 72); parking them
+    # fits with shard_grad_op (60.3 GiB), and its copies cross the host link where CPU offload would move the whole
+    # sharded state and step AdamW on the CPU.
+    cfg = Config(model=model_config("8b", preset="8b"),
+                 train=TrainConfig(seq_len=131072, micro_batch_size=1, global_batch_size=8),
+                 parallel=ParallelConfig(mixed_precision="bf16"),
+                 hardware=HardwareConfig(accelerator="cuda", gpu_arch="hopper", gpus_per_node=8, gpu_memory_gb=80,
+                                         intra_node_link="nvlink"))  # fmt: skip
+    assert plan.cheapest(**subs(cfg)) == plan.PlanChoice("full", "shard_grad_op", False, True)
+    assert jinja("recommend", "8b", 131072, 1, "bf16", 8, 1, 80, "", "cuda") == "full,shard_grad_op,false,true"
+    assert plan.cheapest(**subs(cfg), activation_offload=False) == plan.PlanChoice("full", "full", True, False)
+    chosen = replace(cfg.parallel, activation_checkpointing="full", sharding="shard_grad_op")
+    args = dict(model=cfg.model, train=cfg.train, parallel=chosen, hardware=cfg.hardware, finetune=cfg.finetune)
+    assert plan.needs_activation_offload(**args)
+    assert round(plan.plan_for(**args, activation_offload=True).total / GIB, 1) == 60.3
+    assert round(plan.plan_for(**args, activation_offload=False).total / GIB, 1) == 90.3
+    # A config that leaves it off is refused at launch with that one setting as the fix.
+    fix = plan.check.device_fix(**subs(replace(cfg, parallel=chosen)), memory_gb=80)
+    assert fix.startswith("set parallel.activation_offload=true ("), fix
+
+
+def test_question_time_and_run_time_agree_with_activation_offload(plan):
+    # memory_plan's parked and activations, activation_offload_bytes and needs_activation_offload: plan.jinja's and
+    # plan/memory.py's, plan/communication.py's, plan/choice.py's.
+    from planpkg.config import Config, FinetuneConfig, HardwareConfig, ParallelConfig, TrainConfig
+
+    fields = ["activations", "parked", "total"]
+    needed = set()
+    grid = itertools.product(["1b", "8b", "70b"], ["bf16", "fp32"], ["none", "selective", "full"], [1, 2], [1, 2, 8],
+                             ["full", "lora"], [(8192, 40), (65536, 80)])  # fmt: skip
+    for preset, precision, ac, tp, cp, finetune, (seq, memory) in grid:
+        sp = cp % 2 == 1  # llama's sequence-parallel plan or transformers' (no context parallelism there)
+        if tp > 1 and finetune == "lora" or not sp and cp > 1:
+            continue
+        rank = HOOKS.LORA["rank"] if finetune == "lora" else 0
+        q = json.loads(jinja("memory_plan", preset, seq, 1, precision, ac, "full", False, 8, 1, 1, False, False, 0,
+                             "none", finetune, tp, sp, cp, 1, HOOKS.LOSS_CHUNK, True))  # fmt: skip
+        s = shape(plan, preset) if sp else shape(plan, preset, name="hf_causal_lm")
+        r = plan.memory_plan(s, seq_len=seq, micro_batch_size=1, precision=precision, ac=ac, sharding="full",
+                             cpu_offload=False, gpus_per_node=8, num_nodes=1, lora_rank=rank, tensor_parallel=tp,
+                             sequence_parallel=sp, context_parallel=cp, activation_offload=True)  # fmt: skip
+        for name in fields:
+            assert q[name] == pytest.approx(getattr(r, name), rel=1e-12), (preset, precision, ac, tp, cp, name)
+        tokens = seq // cp
+        qb = float(jinja("activation_offload_bytes", preset, precision, tokens, tp, sp, cp))
+        assert qb == pytest.approx(plan.activation_offload_bytes(s, precision, tokens, tp, sp, cp), rel=1e-12)
+        cfg = Config(model=model_config(preset, preset=preset, **({} if sp else {"name": "hf_causal_lm"})),
+                     train=TrainConfig(seq_len=seq, micro_batch_size=1, global_batch_size=8 // (tp * cp)),
+                     parallel=ParallelConfig(mixed_precision=precision, activation_checkpointing=ac,
+                                             tensor_parallel=tp, context_parallel=cp),
+                     hardware=HardwareConfig(accelerator="cuda", gpus_per_node=8, gpu_memory_gb=memory,
+                                             intra_node_link="nvlink"),
+                     finetune=FinetuneConfig(method=finetune))  # fmt: skip
+        qn = jinja("needs_activation_offload", preset, seq, 1, precision, ac, "full", False, 8, 1, memory, "cuda",
+                   False, finetune, tp, sp, cp)  # fmt: skip
+        rn = plan.needs_activation_offload(model=cfg.model, train=cfg.train, parallel=cfg.parallel,
+                                           hardware=cfg.hardware, finetune=cfg.finetune)  # fmt: skip
+        assert qn == str(rn).lower(), (preset, precision, ac, tp, cp, finetune, seq, memory)
+        needed.add(rn)
+    assert needed == {False, True}
+
+
 MOE = JINJA.get_template("hooks/presets.jinja").module.MOE_PRESETS
 
 
@@ -825,8 +929,8 @@ def test_question_time_and_run_time_expert_parallel_recommendations_agree(moe):
             re_ = plan.estimate_expert_parallel(**args, degree=d, base_micro_batch=m["micro_batch_size"])
             assert bool(qe) == (re_ is not None), (preset, gpus, nodes, memory, d)
             if re_ is not None:
-                assert (qe["micro_batch_size"], qe["ac"], qe["sharding"], qe["offload"]) == (
-                    re_.micro_batch_size, re_.ac, re_.sharding, re_.cpu_offload)  # fmt: skip
+                assert (qe["micro_batch_size"], qe["ac"], qe["sharding"], qe["offload"], qe["activation_offload"]) == (
+                    re_.micro_batch_size, re_.ac, re_.sharding, re_.cpu_offload, re_.activation_offload)  # fmt: skip
                 assert qe["seconds_per_token"] == pytest.approx(re_.seconds_per_token, rel=1e-12)
         q = int(jinja("recommend_expert_parallel", preset, m["seq_len"], m["micro_batch_size"], "bf16", gpus, nodes,
                       memory, intra, inter, "cuda", "hopper"))  # fmt: skip
@@ -852,8 +956,9 @@ VOLTA = {"accelerator": "cuda", "gpu_arch": "volta", "gpus_per_node": 8, "num_no
 
 
 def test_a_refused_plan_choice_suggests_a_plan_that_fits_the_answers_given_and_its_figure(plan):
-    # 32,768 tokens: at the default length (8,192) the loss in chunks leaves room to spare without offload.
-    a = {**VOLTA, "seq_len": 32768}
+    # 49,152 tokens: at the default length (8,192) the loss in chunks leaves room to spare without offload, and at
+    # 32,768 full recomputation with the blocks' inputs parked in host memory does.
+    a = {**VOLTA, "seq_len": 49152}
     # In a terminal the later questions come after: the cheapest plan with full recomputation is the fix.
     assert ask("ac_choice('selective')", a).startswith("choose activation_checkpointing=full: at best ")
     # Given DDP without the ZeRO optimizer and without offload on the command line, full recomputation alone
@@ -864,9 +969,10 @@ def test_a_refused_plan_choice_suggests_a_plan_that_fits_the_answers_given_and_i
     fix = "choose activation_checkpointing=full, sharding=full and cpu_offload=true: at best "
     assert refusal.startswith(fix) and refusal.endswith(" GiB per GPU, 28.8 usable"), refusal
     figure = float(refusal[len(fix) :].split()[0])
-    m = plan.memory_plan(shape(plan, "8b"), seq_len=a["seq_len"], micro_batch_size=1, precision="fp16", ac="full",
-                         sharding="full", cpu_offload=True, gpus_per_node=8, num_nodes=1)  # fmt: skip
-    assert figure == round(m.total / GIB, 1) and m.fits(32)
+    m, kept = (plan.memory_plan(shape(plan, "8b"), seq_len=a["seq_len"], micro_batch_size=1, precision="fp16",
+                                ac="full", sharding="full", cpu_offload=True, gpus_per_node=8, num_nodes=1,
+                                activation_offload=parked) for parked in (True, False))  # fmt: skip
+    assert figure == round(m.total / GIB, 1) and m.fits(32) and not kept.fits(32)  # its blocks' inputs parked too
     # Following half of the fix, the next refusal asks for the rest with the same figure (before: "choose
     # sharding=full: at best 69.8", DDP's with the ZeRO optimizer the user had turned off).
     half = ask("sharding_choice('no_shard')", {**a, "activation_checkpointing": "full"}, given)
@@ -877,8 +983,6 @@ def test_a_refused_plan_choice_suggests_a_plan_that_fits_the_answers_given_and_i
 
 
 def test_run_time_refusals_name_only_fixes_that_fit(plan):
-    from dataclasses import replace
-
     def device(sub: dict):
         return plan.plan_for(**{k: v for k, v in sub.items() if k != "checkpoint"})
 
@@ -922,14 +1026,14 @@ HOST_GRID = random.Random(0).sample([c for c in itertools.product(
 
 def test_question_time_and_run_time_host_memory_agree(plan):
     # plan.jinja's host_memory_plan against plan/host.py's.
-    fields = ["runtime", "state", "device", "staging", "load", "start", "export", "os", "total"]
+    fields = ["runtime", "state", "device", "staging", "load", "start", "export", "os", "parked", "total"]
     checked = 0
     for preset, accelerator, precision, sharding, offload, (gpus, nodes), finetune, fmt, export in HOST_GRID:
         seq, mbs = PRESETS[preset]["seq_len"], PRESETS[preset]["micro_batch_size"]
         rank = HOOKS.LORA["rank"] if finetune == "lora" else 0
         m = plan.memory_plan(shape(plan, preset), seq_len=seq, micro_batch_size=mbs, precision=precision, ac="full",
                              sharding=sharding, cpu_offload=offload, gpus_per_node=gpus, num_nodes=nodes,
-                             lora_rank=rank)  # fmt: skip
+                             lora_rank=rank, activation_offload=checked % 2 == 1)  # fmt: skip
         q = json.loads(jinja("host_memory_plan", preset, {**asdict(m), "total": m.total}, accelerator, precision, gpus,
                              nodes, offload, finetune, fmt, export, finetune == "lora"))  # fmt: skip
         r = plan.host_memory_plan(shape(plan, preset), m, accelerator=accelerator, precision=precision,
@@ -965,8 +1069,8 @@ def test_question_time_and_run_time_recommendations_agree_on_host_memory(plan):
         )  # fmt: skip
         args = [preset, p["seq_len"], p["micro_batch_size"], "bf16", gpus, nodes, memory, link, accelerator]
         q = hook("plan", "recommend", *args, "full", 1, host)
-        ac, sharding, offload = plan.recommend(**subs(cfg))
-        assert q == f"{ac},{sharding},{str(offload).lower()}", (preset, gpus, nodes, memory, host, link, accelerator)
+        r = ",".join(str(choice).lower() for choice in plan.recommend(**subs(cfg)))  # ac,sharding,offload,parked
+        assert q == r, (preset, gpus, nodes, memory, host, link, accelerator)
         differ += q != hook("plan", "recommend", *args)  # without a host figure
         refused += plan.cheapest(**subs(cfg)) is None
     assert differ > 10 and refused > 10, (differ, refused)  # the node's RAM changes picks and refuses plans

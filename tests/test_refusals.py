@@ -46,9 +46,9 @@ REFUSED = {
         "GiB per GPU even at one 128-token sequence",
     ),
     "70b_sequence_too_long": (
-        {"gpus_per_node": 1, "gpu_memory_gb": 24, "host_memory_gb": 2048, "model_size": "70b", "seq_len": 8192},
+        {"gpus_per_node": 1, "gpu_memory_gb": 24, "host_memory_gb": 2048, "model_size": "70b", "seq_len": 16384},
         "seq_len",
-        "2048 tokens fit: 8192 need 28.8 GiB per GPU, 21.6 usable",
+        "8192 tokens fit: 16384 need 22.9 GiB per GPU, 21.6 usable",
     ),
     # Offload is the only plan for 70b on one 24 GiB GPU, and its 16 bytes per parameter need 1 TiB of RAM.
     "70b_host_memory": (
@@ -60,6 +60,21 @@ REFUSED = {
         {"host_memory_gb": 48, "model_size": "1b", "sharding": "full", "cpu_offload": True},
         "cpu_offload",
         "choose cpu_offload=false: 55.6 GiB RAM per node (offload 18.4), 43.2 of 48 GiB usable",
+    ),
+    # Llama 3.1 8B's whole 131,072-token context on each H100 (no context parallelism) fits the GPUs only with the
+    # blocks' inputs parked in host memory: 30 GiB a GPU, more than a 256 GiB node holds for 8.
+    "activation_offload_host_memory": (
+        {
+            "model_size": "8b",
+            "seq_len": 131072,
+            "context_parallel": 1,
+            "activation_checkpointing": "full",
+            "sharding": "full",
+            "cpu_offload": False,
+            "host_memory_gb": 256,
+        },
+        "cpu_offload",
+        "choose cpu_offload=true: 279.2 GiB RAM per node (parked 240.0), 230.4 of 256 GiB usable",
     ),
     "async_checkpoint_host_memory": (
         {
@@ -140,9 +155,9 @@ REFUSED = {
     ),
     # Context parallelism: a sequence no degree fits, and degrees that cannot split it.
     "sequence_too_long_even_split": (
-        {"gpu_memory_gb": 12, "seq_len": 131072},
+        {"gpu_memory_gb": 10, "seq_len": 131072},
         "seq_len",
-        "65536 tokens fit: 131072 need 14.0 GiB per GPU, 10.8 usable",
+        "65536 tokens fit: 131072 need 10.2 GiB per GPU, 9.0 usable",
     ),
     "context_parallel_beyond_node": (
         {"seq_len": 131072, "context_parallel": 16},
@@ -160,9 +175,9 @@ REFUSED = {
         "answer 1, 2 or 4 (2 x it divides seq_len=8200)",
     ),
     "context_parallel_too_small": (
-        {"gpu_memory_gb": 16, "seq_len": 131072, "context_parallel": 4},
+        {"gpu_memory_gb": 12, "seq_len": 131072, "context_parallel": 4},
         "context_parallel",
-        "answer 8: 4 needs 21.6 GiB per GPU, 14.4 usable",
+        "answer 8: 4 needs 14.1 GiB per GPU, 10.8 usable",
     ),
     "context_parallel_without_a_plan": (
         {"model_type": "custom", "context_parallel": 2},
@@ -173,7 +188,7 @@ REFUSED = {
     "context_parallel_with_ddp": (
         {"seq_len": 131072, "context_parallel": 8, "sharding": "no_shard"},
         "sharding",
-        "choose full: DDP is not combined with context_parallel=8",
+        "choose full or shard_grad_op: DDP is not combined with context_parallel=8",
     ),
     "no_gpus": ({"gpus_per_node": 0}, "gpus_per_node", "between 1 and 128"),
     "zero_gpu_memory": ({"gpu_memory_gb": 0}, "gpu_memory_gb", "between 1 and 1024"),
@@ -272,7 +287,7 @@ def test_every_question_that_can_refuse_has_a_case_here():
 @pytest.mark.parametrize(
     "case",
     ["8b_ddp_does_not_fit", "ac_none_cannot_fit", "offload_needed", "70b_sequence_too_long", "offload_host_memory",
-     "async_checkpoint_host_memory", "sequence_too_long_even_split"],
+     "activation_offload_host_memory", "async_checkpoint_host_memory", "sequence_too_long_even_split"],
 )  # fmt: skip
 def test_the_fix_a_memory_refusal_names_is_accepted(tmp_path, case):
     """A refusal ends in `choose question=value` (or `N tokens fit`); taking that advice renders."""
@@ -289,14 +304,16 @@ def test_the_fix_a_memory_refusal_names_is_accepted(tmp_path, case):
 
 
 def test_70b_on_one_gpu_renders_with_the_host_memory_it_needs(tmp_path):
-    """The plan 70b_host_memory refuses, on a node with 2 TiB: CPU offload, and PLAN.md's host column says why."""
+    """The plan 70b_host_memory refuses, on a node with 2 TiB: CPU offload, the preset's 8,192 tokens with the blocks'
+    inputs parked in host memory too, and PLAN.md's host column says why."""
     root = render(tmp_path / "p", {**REFUSED["70b_host_memory"][0], "host_memory_gb": 2048})
     answers = answers_of(root)
     assert (answers["cpu_offload"], answers["sharding"], misfit(answers)) == (True, "full", "")
     plan = (root / "PLAN.md").read_text()
     assert "| peak (GiB) | host per node (GiB) | fits |" in plan
-    assert "| **full** | yes | 0.0 | 11.9 | 6.8 | 18.7 | 1073.5 | yes |" in plan
-    assert "| offload | 1051.3 GiB |" in plan and "| **peak** | **1073.5 GiB** |" in plan
+    assert "| **full** | yes | 0.0 | 11.9 | 7.2 (+ 9.8 parked) | 19.1 | 1083.2 | yes |" in plan
+    assert "| offload | 1051.3 GiB |" in plan and "| **peak** | **1083.2 GiB** |" in plan
+    assert "| activation offload | 9.8 GiB |" in plan and "## Activation offload: yes" in plan
     assert "host_memory_gb = 2048" in (root / "configs" / "70b.toml").read_text()
 
 
@@ -381,21 +398,21 @@ def refusal_of(tmp_path, answers: dict) -> str:
 VOLTA = {"gpu_arch": "volta", "gpus_per_node": 8, "gpu_memory_gb": 32, "model_type": "custom", "model_size": "8b",
          "micro_batch_size": 1, "intra_node_link": "pcie", "sharding": "no_shard", "cpu_offload": False,
          "zero_optimizer": False, "activation_checkpointing": "selective", "customize": True,
-         "seq_len": 32768}  # fmt: skip
+         "seq_len": 49152}  # fmt: skip
 
 
 def test_a_refusal_names_every_answer_its_fix_changes_and_following_it_renders(tmp_path):
     message = refusal_of(tmp_path, VOLTA)
     assert message == (
         "Invalid choice for 'activation_checkpointing': choose activation_checkpointing=full, sharding=full and "
-        "cpu_offload=true: at best 21.6 GiB per GPU, 28.8 usable"
+        "cpu_offload=true: at best 17.9 GiB per GPU, 28.8 usable"
     )
     # Following only the first answer of it, the next refusal asks for the rest, with the same figure: the
     # suggested plan's, not the refused one's.
     half = refusal_of(tmp_path, {**VOLTA, "activation_checkpointing": "full"})
     assert half == (
         "Invalid choice for 'sharding': choose sharding=full and cpu_offload=true: "
-        "at best 21.6 GiB per GPU, 28.8 usable"
+        "at best 17.9 GiB per GPU, 28.8 usable"
     )
     (fix,) = suggestions(message)
     root = render(tmp_path / "fixed", {**VOLTA, **fix})

@@ -1,4 +1,4 @@
-"""The planner's picks: the cheapest sharding, activation checkpointing and offload that fit, the tensor-
+"""The planner's picks: the cheapest sharding, activation checkpointing and offloads that fit, the tensor-
 and expert-parallel degrees with the cheapest estimated step, and the smallest context-parallel degree
 with which the sequence fits. The same search ran at question time (the template's hooks/plan.jinja, whose
 macros have these functions' names) to choose the repo's defaults; the trainer's
@@ -7,11 +7,14 @@ checks, `python -m <package>.plan` and its re-sizing advice run it on the live c
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 from ..config import CheckpointConfig, FinetuneConfig, HardwareConfig, ParallelConfig, TrainConfig
 from ..models import ModelConfig, model_shape, model_spec
 from .communication import (
     MFU,
+    activation_offload_bytes,
+    activation_offload_seconds,
     communication_bytes,
     expert_parallel_bytes,
     link_seconds,
@@ -19,7 +22,7 @@ from .communication import (
     tensor_parallel_bytes,
 )
 from .host import host_plan_for
-from .memory import AC_MODES, plan_for, planned_degrees
+from .memory import AC_MODES, plan_for, planned_degrees, sequence_parallel
 
 
 def sharding_candidates(
@@ -37,46 +40,78 @@ def sharding_candidates(
     return order if tensor_parallel == context_parallel == expert_parallel == 1 else order[1:]
 
 
+class PlanChoice(NamedTuple):
+    """What the planner picks for a config (cheapest, recommend)."""
+
+    ac: str
+    """parallel.activation_checkpointing"""
+    sharding: str
+    cpu_offload: bool
+    activation_offload: bool = False
+
+
 def cheapest(
     *, model: ModelConfig, train: TrainConfig, parallel: ParallelConfig, hardware: HardwareConfig,
-    finetune: FinetuneConfig, checkpoint: CheckpointConfig,
-) -> tuple[str, str, bool] | None:  # fmt: skip
-    """The cheapest (activation checkpointing, sharding, offload) that fits the device and the node's RAM;
-    None if nothing does.
+    finetune: FinetuneConfig, checkpoint: CheckpointConfig, activation_offload: bool | None = None,
+) -> PlanChoice | None:  # fmt: skip
+    """The cheapest (activation checkpointing, sharding, CPU offload, activation offload) that fits the device and
+    the node's RAM; None if nothing does. `activation_offload` fixes that choice (None: the planner's).
 
-    Sharding harder is tried before recomputing (recomputation costs every step), and CPU offload only
-    when nothing else fits. DDP with a ZeRO optimizer is never the pick: shard_grad_op splits the
-    gradients as well, and sends less (one all-gather and a reduce-scatter against an all-reduce and a
-    broadcast). CPU ranks have no device budget: full sharding without offload, recomputing only where
-    host memory needs it. The host plan takes `checkpoint`'s format and export (copier's questions
-    assume dcp and an export, the defaults of the later questions, and check the answers to those when
-    they are given).
+    Sharding harder is tried before recomputing (recomputation costs every step). Then activation offload, with
+    selective and then full checkpointing: the checkpointed blocks' inputs cross the host link twice a step
+    (activation_offload_bytes), overlapped with compute. CPU offload only when nothing else fits: it moves the
+    model state over that link and steps AdamW on the CPU every step. DDP with a ZeRO optimizer is never the
+    pick: shard_grad_op splits the gradients as well, and sends less (one all-gather and a reduce-scatter against
+    an all-reduce and a broadcast). CPU ranks have no device budget: full sharding without either offload,
+    recomputing only where host memory needs it. The host plan takes `checkpoint`'s format and export
+    (copier's questions assume dcp and an export, the defaults of the later questions, and check the answers
+    to those when they are given).
     """
     hw, cpu = hardware, hardware.accelerator == "cpu"
     degrees = (parallel.tensor_parallel, parallel.context_parallel, parallel.expert_parallel)
     shardings = ("full",) if cpu else sharding_candidates(hw.num_nodes, hw.inter_node_link, *degrees)
     args = dict(model=model, train=train, parallel=parallel, hardware=hw, finetune=finetune)
-    for offload in (False,) if cpu else (False, True):
-        for ac in AC_MODES:
-            for sharding in shardings:
-                if offload and sharding == "no_shard":
-                    continue
-                plan = plan_for(**args, sharding=sharding, cpu_offload=offload, ac=ac, zero_optimizer=False)
-                host = host_plan_for(**args, checkpoint=checkpoint, m=plan, cpu_offload=offload)
-                if (cpu or plan.fits(hw.gpu_memory_gb)) and host.fits(hw.host_memory_gb):
-                    return ac, sharding, offload
+    parking = (False, True) if activation_offload is None else (activation_offload,)
+    for offload, parked, ac in ((o, a, m) for o in (False, True) for a in parking for m in AC_MODES):
+        if cpu and (offload or parked) or parked and ac == "none":  # offload frees nothing on a CPU rank
+            continue
+        for sharding in shardings:
+            if offload and sharding == "no_shard":
+                continue
+            plan = plan_for(**args, sharding=sharding, cpu_offload=offload, ac=ac, zero_optimizer=False,
+                            activation_offload=parked)  # fmt: skip
+            host = host_plan_for(**args, checkpoint=checkpoint, m=plan, cpu_offload=offload)
+            if (cpu or plan.fits(hw.gpu_memory_gb)) and host.fits(hw.host_memory_gb):
+                return PlanChoice(ac, sharding, offload, parked)
     return None
 
 
 def recommend(
     *, model: ModelConfig, train: TrainConfig, parallel: ParallelConfig, hardware: HardwareConfig,
     finetune: FinetuneConfig, checkpoint: CheckpointConfig,
-) -> tuple[str, str, bool]:  # fmt: skip
+) -> PlanChoice:  # fmt: skip
     """cheapest(), or the most frugal plan when nothing fits, which check_plan and copier then refuse with
-    the figures; CPU ranks gain nothing from offload."""
+    the figures; CPU ranks gain nothing from either offload."""
     found = cheapest(model=model, train=train, parallel=parallel, hardware=hardware, finetune=finetune,
                      checkpoint=checkpoint)  # fmt: skip
-    return found or ("full", "full", hardware.accelerator != "cpu")
+    gpu = hardware.accelerator != "cpu"
+    return found or PlanChoice("full", "full", gpu, gpu)
+
+
+def needs_activation_offload(
+    *, model: ModelConfig, train: TrainConfig, parallel: ParallelConfig, hardware: HardwareConfig,
+    finetune: FinetuneConfig,
+) -> bool:  # fmt: skip
+    """Whether the plan of these settings fits the device only with its checkpointed blocks' inputs parked in host
+    memory: what copier renders into parallel.activation_offload for the answers given (the template's
+    hooks/plan.jinja), and the smallest fix where a config without it does not fit. The device decides; the
+    node's RAM must then hold the parked inputs (host.check_host_memory). False on CPU ranks and without
+    activation checkpointing."""
+    if hardware.accelerator == "cpu" or parallel.activation_checkpointing == "none":
+        return False
+    args = dict(model=model, train=train, parallel=parallel, hardware=hardware, finetune=finetune)
+    without, parked = (plan_for(**args, activation_offload=park) for park in (False, True))
+    return not without.fits(hardware.gpu_memory_gb) and parked.fits(hardware.gpu_memory_gb)
 
 
 @dataclass(frozen=True)
@@ -101,10 +136,13 @@ class DegreeEstimate:
     parallelism's all-to-alls), which compute waits for."""
     tokens: int
     """Tokens per step over all ranks."""
+    activation_offload: bool = False
+    host_s: float = 0.0
+    """Seconds per step of activation offload's copies over the host link, which overlap with compute."""
 
     @property
     def step_s(self) -> float:
-        return max(self.compute_s, self.fsdp_s) + self.degree_s
+        return max(self.compute_s, self.fsdp_s, self.host_s) + self.degree_s
 
     @property
     def seconds_per_token(self) -> float:
@@ -130,20 +168,19 @@ def tensor_parallel_degrees(
 def largest_fitting_micro_batch(
     *, model: ModelConfig, train: TrainConfig, parallel: ParallelConfig, hardware: HardwareConfig,
     finetune: FinetuneConfig, checkpoint: CheckpointConfig, start: int,
-) -> tuple[int, tuple[str, str, bool]] | None:  # fmt: skip
+) -> tuple[int, PlanChoice] | None:  # fmt: skip
     """The largest halving of `start` sequences per GPU (twelve halvings at most) whose cheapest plan fits, with
-    that plan (AC mode, sharding, offload); None when none fits. A tensor- or context-parallel group reads the
-    same sequences, so the global batch is micro x the data-parallel ranks."""
+    that plan; None when none fits. A tensor- or context-parallel group reads the same sequences, so the global
+    batch is micro x the data-parallel ranks. Plans without activation offload first: a larger micro-batch is no
+    reason to park block inputs."""
     dp = planned_degrees(parallel=parallel, hardware=hardware).dp
-    for i in range(12):
-        micro = start // 2**i
-        if micro < 1:
-            return None
-        batch = replace(train, micro_batch_size=micro, global_batch_size=micro * dp)
-        choice = cheapest(model=model, train=batch, parallel=parallel, hardware=hardware, finetune=finetune,
-                          checkpoint=checkpoint)  # fmt: skip
-        if choice:
-            return micro, choice
+    for parking in (False, None):
+        for micro in (start // 2**i for i in range(12) if start // 2**i >= 1):
+            batch = replace(train, micro_batch_size=micro, global_batch_size=micro * dp)
+            choice = cheapest(model=model, train=batch, parallel=parallel, hardware=hardware, finetune=finetune,
+                              checkpoint=checkpoint, activation_offload=parking)  # fmt: skip
+            if choice:
+                return micro, choice
     return None
 
 
@@ -163,14 +200,18 @@ def estimate_tensor_parallel(
                                       checkpoint=checkpoint, start=base_micro_batch * degree)  # fmt: skip
     if fit is None:
         return None
-    micro, (ac, sharding, offload) = fit
+    micro, choice = fit
+    ac, sharding, offload, parked = choice
     tokens = micro * train.seq_len // degrees.cp  # per tensor-parallel group and step
     compute = 6 * s.P * tokens / degree / (MFU * peak_flops(hardware=hw)) * (4 / 3 if ac == "full" else 1)
     sent = communication_bytes(s, sharding, precision, hw.gpus_per_node, hw.num_nodes, False, parallel.float8,
                                tensor_parallel=degree)  # fmt: skip
     tp = link_seconds({"intra": tensor_parallel_bytes(s, precision, ac, degree, tokens), "inter": 0.0}, hardware=hw)
     fsdp, everyone = link_seconds(sent, hardware=hw), micro * train.seq_len * degrees.dp  # tokens per step
-    return DegreeEstimate(degree, micro, ac, sharding, offload, compute, fsdp, tp, everyone)
+    sp = sequence_parallel(model=model, parallel=trial)
+    parked_sent = activation_offload_bytes(s, precision, tokens, degree, sp, degrees.cp) if parked else 0.0
+    host = activation_offload_seconds(parked_sent, hardware=hw)
+    return DegreeEstimate(degree, micro, ac, sharding, offload, compute, fsdp, tp, everyone, parked, host)
 
 
 def recommend_tensor_parallel(
@@ -218,15 +259,18 @@ def recommend_context_parallel(
     """The smallest context-parallel degree with which train's micro-batch of train's sequences fits some plan:
     1 when they fit without it (it costs all-to-alls in every block, and a group reads the same sequences, so
     the global batch shrinks with it); the largest degree when none fits (the checks then refuse it). Each
-    degree is planned as the template writes its config: one micro-batch per data-parallel rank a step."""
+    degree is planned as the template writes its config: one micro-batch per data-parallel rank a step. Plans
+    without activation offload first: the group's all-to-alls stay on the link inside a node, where the parked
+    inputs would cross the host link."""
     degrees = context_parallel_degrees(model=model, train=train, parallel=parallel, hardware=hardware)
-    for degree in degrees:
-        trial = replace(parallel, context_parallel=degree)
-        dp = planned_degrees(parallel=trial, hardware=hardware).dp
-        batch = replace(train, global_batch_size=train.micro_batch_size * dp)
-        if cheapest(model=model, train=batch, parallel=trial, hardware=hardware, finetune=finetune,
-                    checkpoint=checkpoint):  # fmt: skip
-            return degree
+    for parking in (False, None):
+        for degree in degrees:
+            trial = replace(parallel, context_parallel=degree)
+            dp = planned_degrees(parallel=trial, hardware=hardware).dp
+            batch = replace(train, global_batch_size=train.micro_batch_size * dp)
+            if cheapest(model=model, train=batch, parallel=trial, hardware=hardware, finetune=finetune,
+                        checkpoint=checkpoint, activation_offload=parking):  # fmt: skip
+                return degree
     return degrees[-1]
 
 
@@ -255,14 +299,16 @@ def estimate_expert_parallel(
                                       checkpoint=checkpoint, start=base_micro_batch)  # fmt: skip
     if fit is None:
         return None
-    micro, (ac, sharding, offload) = fit
+    micro, choice = fit
+    ac, sharding, offload, parked = choice
     tokens = micro * train.seq_len  # per rank and step
     compute = 6 * s.active_params * tokens / (MFU * peak_flops(hardware=hw)) * (4 / 3 if ac == "full" else 1)
     sent = communication_bytes(s, sharding, precision, hw.gpus_per_node, hw.num_nodes, False, parallel.float8,
                                expert_parallel=degree)  # fmt: skip
     a2a = {"intra": expert_parallel_bytes(s, precision, ac, degree, tokens), "inter": 0.0}
+    host = activation_offload_seconds(activation_offload_bytes(s, precision, tokens) if parked else 0.0, hardware=hw)
     return DegreeEstimate(degree, micro, ac, sharding, offload, compute, link_seconds(sent, hardware=hw),
-                                  link_seconds(a2a, hardware=hw), tokens * world)  # fmt: skip
+                          link_seconds(a2a, hardware=hw), tokens * world, parked, host)  # fmt: skip
 
 
 def recommend_expert_parallel(

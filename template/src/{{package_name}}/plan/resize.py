@@ -142,8 +142,9 @@ def resize(
             answers |= {"expert_parallel": degree} if degree != parallel.expert_parallel else {}
     if live.accelerator != "cpu" and cheapest(**fixed, **with_answers(**replan, answers=answers)) is None:
         answers |= fitting_batch(**fixed, **with_answers(**replan, answers=answers))
-    ac, sharding, offload = recommend(**fixed, **with_answers(**replan, answers=answers))
-    return {**answers, "sharding": sharding, "activation_checkpointing": ac, "cpu_offload": offload}
+    choice = recommend(**fixed, **with_answers(**replan, answers=answers))  # copier decides activation offload itself
+    return {**answers, "sharding": choice.sharding, "activation_checkpointing": choice.ac,
+            "cpu_offload": choice.cpu_offload}  # fmt: skip
 
 
 def fitting_batch(
