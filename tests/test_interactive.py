@@ -134,7 +134,7 @@ def test_impossible_picks_on_one_gpu_node_are_disabled_or_refused(session, tmp_p
     refusals["tensor_parallel=3"] = s.type("3")  # a typed number: copier asks again
     assert s.type("1") == ""
     run_to(s, "seq_len", {})
-    refusals["seq_len=200000"] = s.type("200000")  # past Llama 3.1's 131,072-token context
+    refusals["seq_len=2000000"] = s.type("2000000")  # past 8 x Llama 3.1's 131,072-token context
     assert s.type("8192") == ""
     s.next_prompt()
     assert s.current.name == "context_parallel"
@@ -166,7 +166,7 @@ def test_impossible_picks_on_one_gpu_node_are_disabled_or_refused(session, tmp_p
     # A typed answer's refusal is one line under the prompt: the fix first, and on screen to its end.
     assert refusals["package_name=launch"].endswith("try launch_train: 'launch' shadows an imported module")
     assert refusals["tensor_parallel=3"].endswith("answer 1, 2, 4 or 8 (divides gpus_per_node=8)")
-    assert refusals["seq_len=200000"].endswith("must be between 1 and 131072 (the preset's max_seq_len)")
+    assert refusals["seq_len=2000000"].endswith("must be 1 to 1048576 (8 x the preset's context)")
     assert refusals["context_parallel=3"].endswith("answer 1, 2, 4 or 8 (divides gpus_per_node=8)")
     assert re.search(r"1 fits: 64 need \d+\.\d GiB per GPU, 72\.0 usable$", refusals["micro_batch_size=64"])
     assert refusals["activation_checkpointing=none"].startswith("choose activation_checkpointing=selective: at best")
@@ -369,7 +369,7 @@ SCREENS = {
                           "launchers": [], "checkpoint_keep_last": 0},
     "one_small_volta": {"gpu_arch": "volta", "gpus_per_node": 1, "gpu_memory_gb": 8, "project_name": "my project"},
     "ddp_8b_on_h100s": {"activation_checkpointing": "full", "sharding": "no_shard", "tensor_parallel": 3,
-                        "seq_len": 200000, "context_parallel": 3, "micro_batch_size": 64},
+                        "seq_len": 2000000, "context_parallel": 3, "micro_batch_size": 64},
     "long_context_8b": {"seq_len": 131072, "context_parallel": 2, "sharding": "no_shard"},
     "hf_lora_fp16": {"model_type": "hf_causal_lm", "finetune": "lora", "mixed_precision": "fp16", "tensor_parallel": 2},
     "moe_on_turing": {"model_type": "qwen3_moe", "gpu_arch": "turing", "gpus_per_node": 2, "gpu_memory_gb": 16,

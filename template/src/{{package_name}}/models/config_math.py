@@ -156,6 +156,22 @@ class LlamaMath(ConfigMath):
             math["sliding_window"] = None
         return math
 
+    def differences(self, ours: dict, theirs: dict) -> list[tuple[str, object, object]]:
+        """As ConfigMath's, except that a model extending the file's context (`extends`) may scale its rotary
+        frequencies otherwise: the one change a long-context fine-tune makes to the model it starts from."""
+        said = super().differences(ours, theirs)
+        return [d for d in said if d[0] != "rope_scaling"] if self.extends(ours, theirs) else said
+
+    def extends(self, ours: dict, theirs: dict) -> bool:
+        """Whether the config.json `ours` stretches the context of `theirs` (max_position_embeddings) by its rotary
+        scaling's factor: linear, or yarn over theirs as original_max_position_embeddings."""
+        rope, context = self.computed_by(ours)["rope_scaling"] or {}, theirs.get("max_position_embeddings")
+        if rope.get("rope_type") not in ("linear", "yarn") or not context:
+            return False
+        if rope["rope_type"] == "yarn" and rope["original_max_position_embeddings"] != context:
+            return False
+        return ours.get("max_position_embeddings") == rope["factor"] * context > context
+
     def assignment(self, name: str, theirs: object) -> str | None:
         key = self.settings.get(name)
         if name != "rope_scaling" or key is None:
