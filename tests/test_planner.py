@@ -1189,9 +1189,8 @@ def test_long_context_goals_render_within_device_and_host_memory(plan, tmp_path,
     preset = answers["model_size"]
     cfg = load_config(["--config", str(root / "configs" / f"{preset}.toml")])
     p = cfg.parallel
-    assert (p.context_parallel, p.activation_checkpointing, p.sharding, p.cpu_offload, p.activation_offload) == (
-        cp, ac, sharding, cpu_offload, parked
-    )
+    chosen = (p.context_parallel, p.activation_checkpointing, p.sharding, p.cpu_offload, p.activation_offload)
+    assert chosen == (cp, ac, sharding, cpu_offload, parked)
     # Run time plans the config as question time did: the same degree, the same choice, within both budgets.
     assert plan.recommend_context_parallel(**subs(cfg)) == cp
     assert plan.cheapest(**subs(cfg)) == plan.PlanChoice(ac, sharding, cpu_offload, parked)
