@@ -166,7 +166,7 @@ def test_impossible_picks_on_one_gpu_node_are_disabled_or_refused(session, tmp_p
     # A typed answer's refusal is one line under the prompt: the fix first, and on screen to its end.
     assert refusals["package_name=launch"].endswith("try launch_train: 'launch' shadows an imported module")
     assert refusals["tensor_parallel=3"].endswith("answer 1, 2, 4 or 8 (divides gpus_per_node=8)")
-    assert refusals["seq_len=2000000"].endswith("must be 1 to 1048576 (8 x the preset's context)")
+    assert refusals["seq_len=2000000"].endswith("1 to 1048576 (8 x max_seq_len 131072)")
     assert refusals["context_parallel=3"].endswith("answer 1, 2, 4 or 8 (divides gpus_per_node=8)")
     assert re.search(r"1 fits: 64 need \d+\.\d GiB per GPU, 72\.0 usable$", refusals["micro_batch_size=64"])
     assert refusals["activation_checkpointing=none"].startswith("choose activation_checkpointing=selective: at best")
