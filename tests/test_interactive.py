@@ -371,6 +371,7 @@ SCREENS = {
     "ddp_8b_on_h100s": {"activation_checkpointing": "full", "sharding": "no_shard", "tensor_parallel": 3,
                         "seq_len": 2000000, "context_parallel": 3, "micro_batch_size": 64},
     "long_context_8b": {"seq_len": 131072, "context_parallel": 2, "sharding": "no_shard"},
+    "extended_8b": {"seq_len": 1048576, "rope_scaling": "linear"},  # past the context: the rope_scaling question
     "hf_lora_fp16": {"model_type": "hf_causal_lm", "finetune": "lora", "mixed_precision": "fp16", "tensor_parallel": 2},
     "moe_on_turing": {"model_type": "qwen3_moe", "gpu_arch": "turing", "gpus_per_node": 2, "gpu_memory_gb": 16,
                       "expert_parallel": 3, "compile": True, "finetune": "lora"},
