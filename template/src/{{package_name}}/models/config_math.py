@@ -178,7 +178,8 @@ class LlamaMath(ConfigMath):
             return super().assignment(name, theirs)
         if theirs is None:
             return f'{key}.rope_type = "none"'
-        if set(theirs) - {"rope_type", *ROPE_FIELDS.get(theirs.get("rope_type"), ("?",))}:
+        rule = theirs.get("rope_type")
+        if rule not in ROPE_FIELDS or set(theirs) - {"rope_type", *ROPE_FIELDS[rule]}:
             return None  # a rule, or a field of one, that [model] does not compute (why_unset says so)
         return f"[{key}] {', '.join(f'{k} = {json.dumps(v)}' for k, v in theirs.items())}"
 
