@@ -8,10 +8,11 @@ import functools
 import importlib
 import itertools
 import json
+import math
 import random
 import re
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
@@ -198,7 +199,7 @@ def test_each_planner_macro_is_a_function_of_the_render_by_the_same_name(plan, m
     where = [plan, importlib.import_module("planpkg.distributed"), importlib.import_module("planpkg.models"), shape]
     named = {"moe_activation_bytes": shape.MoeShape.activation_bytes}
     missing = [name for name in macros if name not in named and not any(hasattr(module, name) for module in where)]
-    assert not missing and len(macros) == 26, (missing, macros)
+    assert not missing and len(macros) == 29, (missing, macros)
     answers = (TEMPLATE / "hooks" / "answers.jinja").read_text()
     assert "macro largest_fitting_micro_batch(" in answers and hasattr(moepkg.choice, "largest_fitting_micro_batch")
     for name in macros:
@@ -631,6 +632,91 @@ def test_question_time_and_run_time_pick_the_same_context_parallel_degree(plan):
     assert jinja("context_parallel_degrees", "8b", 8200, 8, 1, "cuda", "llama") == "1,2,4"
 
 
+def long_context_config(plan, preset: str, gpus: int, nodes: int, memory: int, tp: int = 1, cp: int = 1, seq: int = 0):
+    """hardware_config at one sequence per micro-batch and step (no accumulation: the question-time plan's), split
+    over tp x cp."""
+    cfg = hardware_config(preset, "bf16", gpus, nodes, memory, "nvlink", "infiniband", "hopper")
+    cfg.parallel.tensor_parallel, cfg.parallel.context_parallel = tp, cp
+    cfg.train.micro_batch_size, cfg.train.seq_len = 1, seq or cfg.train.seq_len
+    cfg.train.global_batch_size = plan.planned_degrees(parallel=cfg.parallel, hardware=cfg.hardware).dp
+    return cfg
+
+
+def test_question_time_and_run_time_find_the_same_longest_sequence(plan):
+    # seq_len_multiple and longest_fitting_seq_len: plan.jinja's and plan/choice.py's. The length is the longest
+    # multiple of the split's step that fits: the next one does not (a binary search, not the preset's halvings).
+    found = set()
+    for preset, (gpus, memory), (tp, cp) in itertools.product(
+        ["1b", "8b", "70b"], [(8, 80), (8, 24), (1, 80), (1, 8)], [(1, 1), (2, 1), (1, 8), (2, 4)]
+    ):
+        if tp * cp > gpus:
+            continue
+        cfg = long_context_config(plan, preset, gpus, 1, memory, tp, cp)
+        unit = plan.seq_len_multiple(model=cfg.model, parallel=cfg.parallel)
+        assert int(jinja("seq_len_multiple", tp, cp, True)) == unit == (cp * max(tp, 2) if cp > 1 else tp)
+        q = int(jinja("longest_fitting_seq_len", preset, 131072, 1, "bf16", gpus, 1, memory, "infiniband", "cuda",
+                      "full", tp, 0, True, cp))  # fmt: skip
+        r = plan.longest_fitting_seq_len(**subs(cfg), longest=131072)
+        assert q == r, (preset, gpus, memory, tp, cp)
+        step = math.lcm(unit, 128)
+        assert r % step == 0
+
+        def fits(seq, cfg=cfg):
+            return plan.cheapest(**subs(cfg) | {"train": replace(cfg.train, seq_len=seq)}) is not None
+
+        assert (r == 0 or fits(r)) and (r + step > 131072 or not fits(r + step)), (preset, gpus, memory, tp, cp, r)
+        found.add("whole" if r == 131072 else "none" if r == 0 else "between")
+        if r and r < 131072 and r & (r - 1):  # not a power of two: longer than the halving the planner offered before
+            found.add("not a halving")
+    assert found == {"whole", "none", "between", "not a halving"}, found
+    # transformers' plans split no sequence: any length with tensor parallelism; the built-in decoder's, a multiple.
+    assert jinja("seq_len_multiple", 4, 1, False) == "1" and jinja("seq_len_multiple", 4, 1, True) == "4"
+
+
+def test_tensor_parallelism_is_planned_with_the_context_parallelism_a_long_sequence_needs(plan):
+    # tensor_parallel_estimates and recommend_tensor_parallel: where no degree fits the sequence without context
+    # parallelism, each degree is estimated with the smallest context-parallel degree that fits it, on both sides.
+    picked = {}
+    for preset, seq, nodes in [("8b", 131072, 1), ("8b", 131064, 1), ("70b", 131072, 8), ("8b", 32768, 2)]:
+        cfg = long_context_config(plan, preset, 8, nodes, 80, seq=seq)
+        base = PRESETS[preset]["micro_batch_size"]
+        r_all = plan.tensor_parallel_estimates(**subs(cfg), base_micro_batch=base)
+        q_all = json.loads(jinja("tensor_parallel_estimates", preset, seq, base, "bf16", 8, nodes, 80, "nvlink",
+                                 "infiniband", "cuda", "hopper", "llama"))  # fmt: skip
+        assert sorted(map(int, q_all)) == sorted(r_all), (preset, seq)
+        for degree, r in r_all.items():
+            q = q_all[str(degree)]
+            assert bool(q) == (r is not None), (preset, seq, degree)
+            if r is not None:
+                assert (q["micro_batch_size"], q["ac"], q["sharding"], q["offload"]) == (
+                    r.micro_batch_size, r.ac, r.sharding, r.cpu_offload)  # fmt: skip
+                assert q["seconds_per_token"] == pytest.approx(r.seconds_per_token, rel=1e-12)
+        q = int(jinja("recommend_tensor_parallel", preset, seq, base, "bf16", 8, nodes, 80, "nvlink", "infiniband",
+                      "cuda", "hopper", "llama"))  # fmt: skip
+        assert q == best_degree(plan, cfg, base)
+        picked[(preset, seq, nodes)] = (q, {int(d): e.get("cp") for d, e in q_all.items() if e})
+    # 131,072 tokens of 8b: FSDP alone at context parallelism 8 (62.2 GiB), before pairs at 4 that need offload.
+    assert picked[("8b", 131072, 1)] == (1, {1: 8, 2: 4})
+    # 131,064 tokens: 2 x 8 does not divide them, 2 x 4 does; pairs of GPUs at context parallelism 4 take them.
+    assert picked[("8b", 131064, 1)] == (2, {2: 4})
+    # 70b at 131,072 tokens on 8 nodes: every degree but 8 with its context parallelism.
+    assert picked[("70b", 131072, 8)][0] == 1 and picked[("70b", 131072, 8)][1][1] == 8
+    # 8b at 32,768 tokens on 2 nodes: pairs fit without it, so no degree is planned with it.
+    assert picked[("8b", 32768, 2)] == (2, {2: 1, 4: 1, 8: 1})
+
+
+def test_a_run_time_refusal_offers_the_longest_sequence_that_fits(plan):
+    # Launched on 40 GiB devices, 8b planned at 131,072 tokens over context parallelism 8: no smaller micro-batch and
+    # no larger degree, so the longest sequence that fits (a multiple of 16 and 128), not a halving of it.
+    cfg = long_context_config(plan, "8b", 8, 1, 80, 1, 8, 131072)
+    fix = plan.check.device_fix(**subs(cfg), memory_gb=40)
+    named = dict(re.findall(r"(train\.seq_len|parallel\.\w+)=(\w+)", fix))
+    seq = int(named["train.seq_len"])
+    live = replace(cfg.hardware, gpu_memory_gb=40)
+    assert seq == plan.longest_fitting_seq_len(**subs(cfg) | {"hardware": live}, longest=131072), fix
+    assert seq % 128 == 0 and 65536 < seq < 131072 and seq & (seq - 1), fix  # past the halving, 65,536
+
+
 def test_host_memory_of_70b_on_one_24_gib_gpu_by_hand(plan):
     # Llama 3.1 70B fits one 24 GiB GPU only with CPU offload: its whole fp32 state goes to the host.
     s = shape(plan, "70b")
@@ -821,25 +907,26 @@ VOLTA = {"accelerator": "cuda", "gpu_arch": "volta", "gpus_per_node": 8, "num_no
 
 def test_a_refused_plan_choice_suggests_a_plan_that_fits_the_answers_given_and_its_figure(plan):
     a = {**VOLTA, "seq_len": int(ask("default_seq_len()", VOLTA))}
-    # In a terminal the later questions come after: the cheapest plan with full recomputation is the fix.
-    assert ask("ac_choice('selective')", a).startswith("choose activation_checkpointing=full: at best ")
+    # In a terminal the later questions come after: the cheapest plan with full recomputation is the fix (the
+    # refused question's own answer bare: the line of a disabled choice has no room for its name).
+    assert ask("ac_choice('selective')", a).startswith("choose full: at best ")
     # Given DDP without the ZeRO optimizer and without offload on the command line, full recomputation alone
     # fits nothing (before: "choose activation_checkpointing=full: at best 42.7 GiB per GPU", selective's best
-    # with any sharding): the fix names the answers it changes, and its figure is its own plan's.
+    # with any sharding): the fix names the answers it changes (so many that its figure has no room left).
     given = {"sharding": "no_shard", "cpu_offload": "false", "zero_optimizer": "false"}
     refusal = ask("ac_choice('selective')", a, given)
-    fix = "choose activation_checkpointing=full, sharding=full and cpu_offload=true: at best "
-    assert refusal.startswith(fix) and refusal.endswith(" GiB per GPU, 28.8 usable"), refusal
-    figure = float(refusal[len(fix) :].split()[0])
+    assert refusal == "choose full, sharding=full and cpu_offload=true", refusal
+    # Following half of the fix, the next refusal asks for the rest with the figure of the plan it suggests (before:
+    # "choose sharding=full: at best 69.8", DDP's with the ZeRO optimizer the user had turned off).
+    half = ask("sharding_choice('no_shard')", {**a, "activation_checkpointing": "full"}, given)
+    fix = "choose full and cpu_offload=true: at best "
+    assert half.startswith(fix) and half.endswith(" GiB/GPU"), half
+    figure = float(half[len(fix) :].split()[0])
     m = plan.memory_plan(shape(plan, "8b"), seq_len=a["seq_len"], micro_batch_size=1, precision="fp16", ac="full",
                          sharding="full", cpu_offload=True, gpus_per_node=8, num_nodes=1)  # fmt: skip
     assert figure == round(m.total / GIB, 1) and m.fits(32)
-    # Following half of the fix, the next refusal asks for the rest with the same figure (before: "choose
-    # sharding=full: at best 69.8", DDP's with the ZeRO optimizer the user had turned off).
-    half = ask("sharding_choice('no_shard')", {**a, "activation_checkpointing": "full"}, given)
-    assert half == f"choose sharding=full and cpu_offload=true: at best {figure} GiB per GPU, 28.8 usable"
     assert ask("offload_choice(false)", {**a, "activation_checkpointing": "full", "sharding": "full"}).startswith(
-        f"choose cpu_offload=true ({figure} GiB): this plan needs "
+        f"choose cpu_offload=true ({figure} GiB): this needs "
     )
 
 

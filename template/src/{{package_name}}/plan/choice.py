@@ -6,10 +6,12 @@ checks, `python -m <package>.plan` and its re-sizing advice run it on the live c
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from ..config import CheckpointConfig, FinetuneConfig, HardwareConfig, ParallelConfig, TrainConfig
 from ..models import ModelConfig, model_shape, model_spec
+from ..presets import SEQ_LEN_STEP
 from .communication import (
     MFU,
     communication_bytes,
@@ -19,7 +21,7 @@ from .communication import (
     tensor_parallel_bytes,
 )
 from .host import host_plan_for
-from .memory import AC_MODES, plan_for, planned_degrees
+from .memory import AC_MODES, plan_for, planned_degrees, sequence_parallel
 
 
 def sharding_candidates(
@@ -173,23 +175,48 @@ def estimate_tensor_parallel(
     return DegreeEstimate(degree, micro, ac, sharding, offload, compute, fsdp, tp, everyone)
 
 
+def tensor_parallel_estimates(
+    *, model: ModelConfig, train: TrainConfig, parallel: ParallelConfig, hardware: HardwareConfig,
+    finetune: FinetuneConfig, checkpoint: CheckpointConfig, base_micro_batch: int,
+) -> dict[int, DegreeEstimate | None]:  # fmt: skip
+    """The estimates recommend_tensor_parallel compares, by degree (None where nothing fits): each degree with
+    parallel's context-parallel degree; where none fits a sequence so (a long one), each with the smallest
+    context-parallel degree that fits one sequence with it (recommend_context_parallel), its group taking as many
+    times the sequences."""
+    args = dict(model=model, train=train, hardware=hardware, finetune=finetune, checkpoint=checkpoint)
+    cp = parallel.context_parallel
+    degrees = tensor_parallel_degrees(model=model, train=train, hardware=hardware, context_parallel=cp)
+    found = {
+        d: estimate_tensor_parallel(**args, parallel=parallel, degree=d, base_micro_batch=base_micro_batch)
+        for d in degrees
+    }
+    if any(found.values()):
+        return found
+    one = replace(train, micro_batch_size=1)
+    for d in degrees:
+        trial = replace(parallel, tensor_parallel=d)
+        c = recommend_context_parallel(**(args | {"train": one}), parallel=trial)
+        found[d] = estimate_tensor_parallel(**args, parallel=replace(trial, context_parallel=c), degree=d,
+                                            base_micro_batch=base_micro_batch * c)  # fmt: skip
+    return found
+
+
 def recommend_tensor_parallel(
     *, model: ModelConfig, train: TrainConfig, parallel: ParallelConfig, hardware: HardwareConfig,
     finetune: FinetuneConfig, checkpoint: CheckpointConfig, base_micro_batch: int,
 ) -> int:  # fmt: skip
-    """The tensor-parallel degree with the cheapest estimated plan: without CPU offload if any fits, then the
-    fewest seconds per token; 1 unless a larger degree is strictly better.
+    """The tensor-parallel degree with the cheapest estimated plan (tensor_parallel_estimates): without CPU offload
+    if any fits, then the fewest seconds per token; 1 unless a larger degree is strictly better.
 
     Tensor parallelism divides what FSDP moves between nodes (each rank gathers 1/t of the parameters)
     and the activations of one sequence, and adds collectives on the link inside a node that compute
     waits for: it wins where FSDP alone needs offload, or its communication cannot hide behind compute.
     """
-    args = dict(model=model, train=train, parallel=parallel, hardware=hardware, finetune=finetune,
-                checkpoint=checkpoint)  # fmt: skip
     best, key = 1, None
-    cp = parallel.context_parallel
-    for degree in tensor_parallel_degrees(model=model, train=train, hardware=hardware, context_parallel=cp):
-        found = estimate_tensor_parallel(**args, degree=degree, base_micro_batch=base_micro_batch)
+    estimates = tensor_parallel_estimates(model=model, train=train, parallel=parallel, hardware=hardware,
+                                          finetune=finetune, checkpoint=checkpoint,
+                                          base_micro_batch=base_micro_batch)  # fmt: skip
+    for degree, found in estimates.items():
         if found is not None and (key is None or (found.cpu_offload, found.seconds_per_token) < key):
             best, key = degree, (found.cpu_offload, found.seconds_per_token)
     return best
@@ -228,6 +255,42 @@ def recommend_context_parallel(
                     checkpoint=checkpoint):  # fmt: skip
             return degree
     return degrees[-1]
+
+
+def seq_len_multiple(*, model: ModelConfig, parallel: ParallelConfig) -> int:
+    """The number every sequence length must be a multiple of for parallel's split: 2 x context_parallel chunks
+    (each rank of a context-parallel group holds two), each a multiple of tensor_parallel tokens where sequence
+    parallelism splits them again; tensor_parallel with sequence parallelism alone; else 1."""
+    t, c = parallel.tensor_parallel, parallel.context_parallel
+    if c > 1:
+        return c * math.lcm(2, t)
+    return t if sequence_parallel(model=model, parallel=parallel) else 1
+
+
+def longest_fitting_seq_len(
+    *, model: ModelConfig, train: TrainConfig, parallel: ParallelConfig, hardware: HardwareConfig,
+    finetune: FinetuneConfig, checkpoint: CheckpointConfig, longest: int,
+) -> int:  # fmt: skip
+    """The longest sequence of at most `longest` tokens that parallel's split takes and with which some plan fits
+    train's micro-batch; 0 when none does.
+
+    The lengths tried are the multiples of seq_len_multiple that are multiples of SEQ_LEN_STEP tokens too (of
+    seq_len_multiple alone where `longest` is shorter): every split takes them and attention tiles them evenly.
+    Memory grows with the sequence, so a binary search over them finds the longest.
+    """
+    unit = seq_len_multiple(model=model, parallel=parallel)
+    step = math.lcm(unit, SEQ_LEN_STEP)
+    step = step if step <= longest else unit
+    lo, hi = 0, longest // step
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        trial = replace(train, seq_len=mid * step)
+        if cheapest(model=model, train=trial, parallel=parallel, hardware=hardware, finetune=finetune,
+                    checkpoint=checkpoint):  # fmt: skip
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo * step
 
 
 def expert_parallel_degrees(*, model: ModelConfig, hardware: HardwareConfig) -> list[int]:
