@@ -1,14 +1,15 @@
 """Detect this machine's accelerators and write them as answers to fsdp-template's hardware questions.
 
-    python hwprobe.py --out hw.yml                        # in a checkout of the template, before generating
+    python -m <package>.hardware --out hw.yml             # in a generated repo
     copier copy --data-file hw.yml <template> <project>   # then answer the rest (or add --defaults)
-    python -m <package>.hardware                          # the same probe, inside a generated repo
+
+Before generating, the template's hwprobe.py is this file: run it with `python`, in a checkout of the template.
 
 Needs nothing but Python. Uses, when present: `nvidia-smi` (GPU count, memory, compute capability)
 and `nvidia-smi topo -m` (NVLink or PCIe), torch (CUDA or XPU devices), `xpu-smi` (Intel GPUs and
 Xe Link), and /proc (the NVIDIA driver's GPU list, when nvidia-smi is missing; MemTotal, the node's
 RAM, and the cgroup memory limit a SLURM job or a container runs under). The YAML goes to
-stdout or --out, with the question names of copier.yml as keys; what was detected, and which tool
+stdout or --out, with the question names of the template's copier.yml as keys; what was detected, and which tool
 said so, goes to stderr. One machine cannot see the others, so num_nodes and inter_node_link are
 left to you, as commented lines.
 
@@ -40,7 +41,7 @@ from pathlib import Path
 
 Run = Callable[[Sequence[str]], str | None]
 
-# copier.yml's gpu_arch choices, newest first, with the compute capabilities each covers.
+# The gpu_arch choices of the template's copier.yml, newest first, with the compute capabilities each covers.
 ARCHS = ("blackwell", "hopper", "ada", "ampere", "turing", "volta")
 NVIDIA_QUERY = ["nvidia-smi", "--query-gpu=name,memory.total,compute_cap", "--format=csv,noheader,nounits"]
 # Drivers older than 510 reject the compute_cap field; the name then gives the generation.
@@ -57,7 +58,7 @@ NAME_ARCH = (
     ("turing", r"\bT4\b|RTX 20\d0|Quadro RTX|TITAN RTX"),
     ("volta", r"V100|TITAN V\b"),
 )
-CPU_RANKS = 2  # copier.yml's default for CPU: enough ranks to exercise sharding on a laptop
+CPU_RANKS = 2  # the template's default for CPU: enough ranks to exercise sharding on a laptop
 
 
 @dataclass
@@ -165,7 +166,7 @@ def parse_xpu_topo(text: str) -> str | None:
 
 
 def arch_of(compute_cap: str, name: str = "") -> str | None:
-    """copier.yml's gpu_arch for a compute capability ("9.0"), or from the GPU's name without one."""
+    """The gpu_arch answer for a compute capability ("9.0"), or from the GPU's name without one."""
     if compute_cap:
         major, minor = (int(x) for x in compute_cap.split(".")[:2])
         if major >= 10:  # 10.x data centre, 12.x workstation Blackwell

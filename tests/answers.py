@@ -64,9 +64,10 @@ MATRIX = {
         "model_size": "70b",
         "tensor_parallel": 4,
     },
-    # Llama 3.1 8B on its whole 131,072-token context on the default 8 x H100: every sequence is split over the
-    # node's 8 GPUs (context parallelism, the planner's pick: the smallest degree that fits).
-    "long_context_8b": {"seq_len": 131072},
+    # Llama 3.1 8B on its whole 131,072-token context on 8 x A100 40 GB: every sequence is split over 4 GPUs
+    # (context parallelism, the planner's pick: the smallest degree that fits; on 80 GiB GPUs, its loss in
+    # chunks, one GPU holds a whole sequence with CPU offload).
+    "long_context_8b": {"gpu_arch": "ampere", "gpu_memory_gb": 40, "seq_len": 131072},
     # A transformers Qwen2 of the 8B shape, fine-tuned on chats (sft): on two 48 GB GPUs it only
     # fits with CPU offload (the planner's pick).
     "ada_offload": {

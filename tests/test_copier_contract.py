@@ -117,6 +117,8 @@ def test_one_version_in_pyproject_changelog_and_readme():
     released = re.findall(r"^## (\d+\.\d+\.\d+)\s*$", (TEMPLATE / "CHANGELOG.md").read_text(), re.M)
     assert released and released[0] == version, (released, version)
     assert f"now **{version}**" in (TEMPLATE / "README.md").read_text()
+    # A generated repo's answers file names the release it was made from.
+    assert f'{{%- set TEMPLATE_VERSION = "{version}" -%}}' in (TEMPLATE / "hooks" / "presets.jinja").read_text()
     try:
         tags = git(TEMPLATE, "tag", "--list", "v*").split()
     except (subprocess.CalledProcessError, FileNotFoundError):  # a copy of the template without its history

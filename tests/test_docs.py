@@ -7,8 +7,12 @@ from urllib.parse import urlparse
 
 import pytest
 from answers import MATRIX
+from conftest import TEMPLATE
 
 DOCS = ["PLAN.md", "TROUBLESHOOTING.md", "FSDP1_TO_FSDP2.md", "README.md"]
+# "the template's hooks/plan.jinja": a file of the template, which a user does not receive (template/tests/test_paths.py
+# leaves these to test_the_template_files_a_render_names_exist).
+TEMPLATE_FILE = re.compile(r"(?:[Tt]he\s+|fsdp-)template's\s+`?([^\s`]+)")
 HOSTS = {"docs.pytorch.org", "arxiv.org", "github.com"}
 DECISIONS = ["Memory per rank", "Host memory per node", "Fine-tuning", "Sharding", "Tensor parallelism",
              "Context parallelism",
@@ -62,7 +66,7 @@ def test_plan_explains_a_mixture_of_experts_and_its_degree(rendered):
     # estimate; the debug MoE on CPU ranks says why it plans none; dense renders have no such section.
     moe = sections((rendered["moe_30b_h100"] / "PLAN.md").read_text())["Mixture of experts"]
     assert "**30.53B parameters, of which a token is multiplied by\n3.35B**" in moe
-    assert "| **8** | 1 | selective, full, no |" in moe and "The planner picks" in moe and "**8**." in moe
+    assert "| **8** | 1 | selective, shard_grad_op, no |" in moe and "The planner picks" in moe and "**8**." in moe
     assert "dispatch buffers" in moe and "448.0 MiB per layer" in moe
     cpu = sections((rendered["cpu_moe"] / "PLAN.md").read_text())["Mixture of experts"]
     assert "CPU ranks gain nothing from it" in cpu
@@ -81,3 +85,22 @@ def test_the_readme_layout_names_every_module(rendered, name):
             continue
         named = f"src/{package.name}/{path.name}" + ("/" if path.is_dir() else "")
         assert f"`{named}`" in layout, f"README.md's Layout does not name {named}"
+
+
+def test_the_template_files_a_render_names_exist(rendered):
+    """What a render calls "the template's" file (its README, PLAN.md, TROUBLESHOOTING.md, sources, configs and
+    scripts) exists here; and no render names the design document, which neither it nor the template holds."""
+    named, missing = set(), []
+    for name, root in rendered.items():
+        for path in [*(root / doc for doc in DOCS), *root.glob("src/**/*.py"), *root.glob("configs/*"),
+                     *root.glob("scripts/*")]:
+            text = path.read_text()
+            assert "DESIGN" not in text, f"{name}: {path.relative_to(root)} names DESIGN"
+            for word in TEMPLATE_FILE.findall(text):
+                word = re.sub(r"('s)?[.,:;!?)]*$", "", word)
+                if "/" in word or "." in word:  # a path, not "the template's default"
+                    named.add(word)
+                    if not (TEMPLATE / word).exists():
+                        missing.append(f"{name}: {path.relative_to(root)}: {word}")
+    assert not missing, "not in the template:\n" + "\n".join(missing)
+    assert {"hooks/plan.jinja", "hwprobe.py", "copier.yml"} <= named, named

@@ -74,13 +74,18 @@ SMOKE_TESTS = [
     "test_smoke.py::test_resume_reproduces_the_continuous_run",
     "test_fsdp_rules.py::test_train_py_structure",
     "test_fsdp_rules.py::test_initial_weights_identical_at_any_world_size",
-    "test_fsdp_rules.py::test_grad_norm_is_the_global_norm_as_a_float",
+    "test_fsdp_rules.py::test_grad_norm_is_the_global_norm_on_the_device",
+    "test_fsdp_rules.py::test_one_rank_with_nothing_to_shard_trains_the_model_as_it_is",
+    "test_fsdp_rules.py::test_a_nonfinite_step_is_skipped_on_the_device_and_refused_at_the_log_interval",
     "test_plan.py::test_sharded_state_bytes_match_the_plan",
     "test_plan.py::test_activation_bytes_per_block_match_what_the_model_declares",
     "test_wrong_inputs.py::test_a_checkpoint_of_another_model_is_refused_naming_both_and_the_fix_works",
     "test_wrong_inputs.py::test_a_misspelt_flags_box_names_a_help_command_and_a_flag_that_work",
     "test_torch_compat.py::test_no_private_torch_name_is_reached_at_import_time",
     "test_torch_compat.py::test_a_torch_without_private_names_imports_this_repo_and_trains",
+    "test_paths.py::test_every_path_module_and_flag_named_exists",
+    "test_activation_offload.py::test_parked_inputs_give_the_losses_and_gradients_of_kept_ones_bit_for_bit[full]",
+    "test_activation_offload.py::test_the_host_holds_the_parked_inputs_and_the_device_the_rest_as_planned[full]",
 ]
 
 
@@ -101,9 +106,11 @@ def test_generated_smoke_rules_and_plan(rendered, suites, name):
 
 FULL_TESTS = [
     "test_checkpoint.py::test_checkpoint_reshards_to_one_and_four_ranks",
+    "test_checkpoint.py::test_one_rank_checkpoint_moves_to_two_ranks_and_back",
     "test_checkpoint.py::test_resume_names_what_it_skips_and_a_save_heals_the_damage",
     "test_errors.py::test_bad_input_is_reported_once_and_nothing_is_written",
     "test_uneven.py::test_min_stops_every_rank_at_the_shortest",
+    "test_activation_offload.py::test_with_parked_inputs_the_run_trains_to_the_same_losses_bit_for_bit[ws4-full]",
 ]
 ONCE_TESTS = [
     "test_fsdp_rules.py::test_entry_point_reports_the_failing_rank",

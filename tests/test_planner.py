@@ -69,9 +69,9 @@ def test_llama_8b_on_8_gpus_by_hand(plan):
     assert P == 8_030_261_248  # the published parameter count
     s = shape(plan, "8b")
     assert (s.P, s.Pb, s.Pn) == (P, Pb, Pn)
-    # 8 GPUs, bf16 compute, full sharding, no activation checkpointing, 1 x 8192 tokens per rank.
+    # 8 GPUs, bf16 compute, full sharding, no activation checkpointing, 1 x 8192 tokens per rank, the logits whole.
     m = plan.memory_plan(s, seq_len=8192, micro_batch_size=1, precision="bf16", ac="none", sharding="full",
-                         cpu_offload=False, gpus_per_node=8, num_nodes=1)  # fmt: skip
+                         cpu_offload=False, gpus_per_node=8, num_nodes=1, loss_chunk=0)  # fmt: skip
     assert m.params == 4 * P / 8 == 4_015_130_624  # fp32 shards (the master weights)
     assert m.grads == 4 * P / 8 and m.optim == 8 * P / 8  # fp32 gradient shards, AdamW's two moments
     assert m.grads_live == 0  # one micro-batch: zero_grad(set_to_none) freed them before the forward
@@ -83,13 +83,23 @@ def test_llama_8b_on_8_gpus_by_hand(plan):
     assert m.total == pytest.approx(90_093_090_816)  # 83.9 GiB: does not fit 80 GiB ...
     assert not m.fits(80)
     sel = plan.memory_plan(s, seq_len=8192, micro_batch_size=1, precision="bf16", ac="selective", sharding="full",
-                           cpu_offload=False, gpus_per_node=8, num_nodes=1)  # fmt: skip
+                           cpu_offload=False, gpus_per_node=8, num_nodes=1, loss_chunk=0)  # fmt: skip
     assert sel.fits(80)  # ... selective checkpointing keeps matmul outputs only and does
-    # torchtitan measured 82.4 GiB for 8B on 8 H100s at 2 x 8192 tokens per rank with selective AC
-    # (benchmarks/llama3_h100_202412_torchtitan.md); the plan is within 15% of that.
+    # torchtitan measured 82.4 GiB for 8B on 8 H100s at 2 x 8192 tokens per rank with selective AC and the logits
+    # whole (benchmarks/llama3_h100_202412_torchtitan.md); the plan is within 15% of that.
     two = plan.memory_plan(s, seq_len=8192, micro_batch_size=2, precision="bf16", ac="selective", sharding="full",
-                           cpu_offload=False, gpus_per_node=8, num_nodes=1)  # fmt: skip
+                           cpu_offload=False, gpus_per_node=8, num_nodes=1, loss_chunk=0)  # fmt: skip
     assert two.total / GIB == pytest.approx(82.4, rel=0.15)
+    # The loss in chunks of 2,048 positions (the default, train.loss_chunk): one chunk's fp32 logits and their bf16
+    # copy, the hidden states' gradient, four floats per position and the head's bf16 weight gradient, in place of
+    # 14 bytes per logit: 1.58 + 0.07 + 0.0001 + 1.05 GB against 14.7 GB; without checkpointing the step still
+    # needs 72.7 GiB, just over the 72 GiB the headroom leaves of 80.
+    chunked = plan.memory_plan(s, seq_len=8192, micro_batch_size=1, precision="bf16", ac="none", sharding="full",
+                               cpu_offload=False, gpus_per_node=8, num_nodes=1)  # fmt: skip
+    loss = 2048 * 128256 * (4 + 2) + 8192 * (4096 * 2 + 16) + 128256 * 4096 * 2
+    assert chunked.activations == 8192 * 32 * per_token_layer + loss == 61_749_723_136
+    assert m.activations - chunked.activations == 12_015_501_312
+    assert round(chunked.total / GIB, 1) == 72.7 and not chunked.fits(80)
 
 
 def test_offload_moves_the_model_state_to_the_host(plan):
@@ -139,14 +149,16 @@ def test_lora_on_llama_8b_on_8_gpus_by_hand(plan):
     assert lora.params == (2 * s.P + 4 * A) / 8  # frozen weights in bf16, fp32 adapters
     assert lora.grads == 4 * A / 8 and lora.optim == 8 * A / 8
     assert lora.gathered == 2 * (s.Pb + Ab) * 2 + s.Pn * 2 and lora.gradbuf == Ab * (2 + 4)
-    assert lora.activations == full.activations  # selective recomputes the adapters' matmuls
+    # Selective recomputes the adapters' matmuls; the chunked loss sums no gradient for the frozen head.
+    assert lora.activations == full.activations - 128256 * 4096 * 2
     state = {name: m.params + m.grads + m.optim for name, m in (("full", full), ("lora", lora))}
     assert state["full"] - state["lora"] == pytest.approx((14 * s.P - 16 * A) / 8)  # 16 P / 8 against (2 P + 16 A) / 8
     assert (round(state["full"] / GIB, 1), round(state["lora"] / GIB, 1)) == (15.0, 1.9)
     # Every block without recomputation: the norms keep only their fp32 input, each adapter its rank-16 output.
     none = dict(kw, ac="none")
     per_token = 8 * 4096 + 2 * (5 * 4096 + 2 * 1024 + 4 * 14336 + 7 * 16)
-    assert plan.memory_plan(s, lora_rank=rank, **none).activations == 8192 * (32 * per_token + 128256 * (2 + 12))
+    loss = 2048 * 128256 * (4 + 2) + 8192 * (4096 * 2 + 16)  # the loss in chunks of 2,048 positions
+    assert plan.memory_plan(s, lora_rank=rank, **none).activations == 8192 * 32 * per_token + loss
     # Communication: the frozen weights are gathered twice as before, only the adapters' gradients are reduced.
     sent = plan.communication_bytes(s, "full", "bf16", 8, 1, lora_rank=rank)["intra"]
     assert sent == pytest.approx((2 * (32 * (s.Pb + Ab) + s.Pn) * 2 + 4 * A) * 7 / 8)
@@ -199,7 +211,7 @@ def test_each_planner_macro_is_a_function_of_the_render_by_the_same_name(plan, m
     where = [plan, importlib.import_module("planpkg.distributed"), importlib.import_module("planpkg.models"), shape]
     named = {"moe_activation_bytes": shape.MoeShape.activation_bytes}
     missing = [name for name in macros if name not in named and not any(hasattr(module, name) for module in where)]
-    assert not missing and len(macros) == 29, (missing, macros)
+    assert not missing and len(macros) == 31, (missing, macros)
     answers = (TEMPLATE / "hooks" / "answers.jinja").read_text()
     assert "macro largest_fitting_micro_batch(" in answers and hasattr(moepkg.choice, "largest_fitting_micro_batch")
     for name in macros:
@@ -228,7 +240,7 @@ def test_question_time_derives_degrees_in_parallel_degrees_only():
 def test_question_time_and_run_time_memory_agree(plan):
     # plan.jinja's memory_plan (with model_shape, activation_bytes_per_token, adapter_params, block_gather_bytes and
     # parallel_degrees) against plan/memory.py's memory_plan on the shape models/llama/shape.py declares.
-    fields = ["params", "grads", "optim", "grads_live", "gathered", "gradbuf", "activations", "host", "total"]
+    fields = ["params", "grads", "optim", "grads_live", "gathered", "gradbuf", "activations", "host", "parked", "total"]
     checked = {"full": 0, "lora": 0}
     for preset, precision, ac, sharding, offload, (gpus, nodes), accum, sync, zero, prefetch, finetune in GRID:
         if sharding == "no_shard" and (offload or prefetch) or sharding != "no_shard" and zero:
@@ -288,8 +300,8 @@ def test_question_time_and_run_time_recommendations_agree(plan, tmp_path):
             "recommend", preset, p["seq_len"], p["micro_batch_size"], precision, gpus, nodes, memory, link, "cuda",
             finetune,
         )  # fmt: skip
-        ac, sharding, offload = plan.recommend(**subs(cfg))
-        assert q == f"{ac},{sharding},{str(offload).lower()}", (preset, precision, gpus, nodes, memory, link, finetune)
+        r = ",".join(str(choice).lower() for choice in plan.recommend(**subs(cfg)))  # ac,sharding,offload,parked
+        assert q == r, (preset, precision, gpus, nodes, memory, link, finetune)
         if finetune == "lora":
             without = jinja("recommend", preset, p["seq_len"], p["micro_batch_size"], precision, gpus, nodes, memory,
                             link, "cuda")  # fmt: skip
@@ -362,8 +374,14 @@ def test_tensor_parallel_splits_what_one_rank_holds_by_hand(plan):
     assert none == 16 * h / 4 + 2 * (2 * h + (3 * h + 2 * kv + 4 * f) / 4) == 136_192
     assert plan.activation_bytes_per_token(s, "bf16", "selective", tensor_parallel=4) == 74_752
     assert plan.activation_bytes_per_token(s, "bf16", "full", tensor_parallel=4) == 2 * h / 4
-    tokens, logits = 4 * 8192, 128256 * (2 + 12)  # the logits stay whole on every rank
-    assert four.activations == tokens * (80 * 4096 + 136_192 + logits) == 74_037_854_208
+    # The loss in chunks of 2,048 positions on each rank's quarter of the vocabulary (loss parallelism): a chunk's
+    # fp32 logits and their bf16 copy and the head's weight gradient split 4 ways; the hidden states' gradient and
+    # four floats per position whole.
+    tokens = 4 * 8192
+    loss = (2048 * 128256 * (4 + 2) + 128256 * 8192 * 2) / 4 + tokens * (8192 * 2 + 16)
+    assert four.activations == tokens * (80 * 4096 + 136_192) + loss == 16_656_891_904
+    whole_logits = plan.memory_plan(s, tensor_parallel=4, loss_chunk=0, **kw).activations
+    assert whole_logits == tokens * (80 * 4096 + 136_192 + 128256 * (2 + 12))  # the logits whole on every rank
     # Without sequence parallelism the norms and each block's input stay whole.
     whole = functools.partial(plan.activation_bytes_per_token, s, "bf16", tensor_parallel=4, sequence_parallel=False)
     assert whole("none") == 16 * h + 2 * (2 * h + (3 * h + 2 * kv + 4 * f) / 4) == 234_496
@@ -429,9 +447,12 @@ def test_tensor_parallel_is_recommended_where_fsdp_alone_is_communication_bound(
     # Where every degree needs CPU offload, offload decides nothing and 1 stays the cheapest (70B on one node).
     cfg = hardware_config("70b", "bf16", 8, 1, 80, "nvlink", "", "hopper")
     assert estimate(plan, cfg, 8, 1).cpu_offload and best_degree(plan, cfg, 1) == 1
-    # Ethernet between nodes makes even 8B communication-bound.
+    # Ethernet between nodes makes even 8B communication-bound: groups of 8, whose ranks fit 8 sequences a
+    # micro-batch with the loss in chunks (train.loss_chunk); with the logits whole they fit 4, and groups of 4 win.
     ethernet = hardware_config("8b", "bf16", 8, 4, 80, "nvlink", "ethernet", "hopper")
-    assert best_degree(plan, ethernet, 1) == 4
+    assert best_degree(plan, ethernet, 1) == 8 and estimate(plan, ethernet, 8, 1).micro_batch_size == 8
+    ethernet.train.loss_chunk = 0
+    assert best_degree(plan, ethernet, 1) == 4 and estimate(plan, ethernet, 8, 1).micro_batch_size == 4
     # Heads decide which degrees exist: 125m has 12 heads, so 8 is out.
     assert degrees_of(plan, hardware_config("125m", "bf16", 8, 1, 80, "nvlink", "", "hopper")) == [1, 2, 4]
 
@@ -495,11 +516,12 @@ def tp_recommendations(plan, grid, model_type: str, **model_fields) -> set[int]:
             re_ = estimate(plan, cfg, t, p["micro_batch_size"])
             assert bool(qe) == (re_ is not None)
             if re_ is not None:
-                assert (qe["micro_batch_size"], qe["ac"], qe["sharding"], qe["offload"]) == (
+                assert (qe["micro_batch_size"], qe["ac"], qe["sharding"], qe["offload"], qe["activation_offload"]) == (
                     re_.micro_batch_size,
                     re_.ac,
                     re_.sharding,
                     re_.cpu_offload,
+                    re_.activation_offload,
                 )
                 assert qe["seconds_per_token"] == pytest.approx(re_.seconds_per_token, rel=1e-12)
         picked.add(r)
@@ -519,13 +541,16 @@ def test_transformers_tensor_parallel_plans_are_planned_alike_at_question_and_ru
     # parallelism), so its estimates are its own; its degrees do not depend on the sequence length.
     grid = itertools.product(["8b", "70b"], [(8, 1), (8, 4)], [80, 180], ["nvlink"], ["infiniband", "ethernet"])
     assert tp_recommendations(plan, grid, "hf_causal_lm", name="hf_causal_lm") == {1, 2, 8}
-    # Whole activations cost memory. Llama 3.1 70B on 4 nodes of 8 x 80 GiB: the built-in model's pairs
-    # fit without CPU offload, so it plans them; transformers' pairs would need offload, so FSDP alone.
+    # Whole activations cost memory. Llama 3.1 70B on 4 nodes of 8 x 80 GiB with the logits whole: the built-in
+    # model's pairs take their two sequences without CPU offload; transformers' pairs take only one (two would need
+    # offload, and a larger micro-batch is no reason to offload), so its groups of 8 send the fewest bytes a token.
     llama, hf = (hardware_config("70b", "bf16", 8, 4, 80, "nvlink", "infiniband", "hopper", name=name)
                  for name in ("llama", "hf_causal_lm"))  # fmt: skip
+    llama.train.loss_chunk = hf.train.loss_chunk = 0
     ours, theirs = estimate(plan, llama, 2, 1), estimate(plan, hf, 2, 1)
-    assert (ours.cpu_offload, theirs.cpu_offload) == (False, True), (ours, theirs)
-    assert (best_degree(plan, llama, 1), best_degree(plan, hf, 1)) == (2, 1)
+    assert (ours.cpu_offload, theirs.cpu_offload) == (False, False), (ours, theirs)
+    assert (ours.micro_batch_size, theirs.micro_batch_size) == (2, 1), (ours, theirs)
+    assert (best_degree(plan, llama, 1), best_degree(plan, hf, 1)) == (2, 8)
 
 
 def test_context_parallel_splits_the_activations_of_llama_8b_at_131072_tokens_by_hand(plan):
@@ -535,7 +560,8 @@ def test_context_parallel_splits_the_activations_of_llama_8b_at_131072_tokens_by
     h, kv, f, V = 4096, 1024, 14336, 128256
     kw = dict(seq_len=131072, micro_batch_size=1, precision="bf16", ac="full", sharding="shard_grad_op",
               cpu_offload=False, gpus_per_node=8, num_nodes=1)  # fmt: skip
-    one, eight = plan.memory_plan(s, **kw), plan.memory_plan(s, context_parallel=8, **kw)
+    whole = dict(kw, loss_chunk=0)  # the logits whole, as before train.loss_chunk
+    one, eight = plan.memory_plan(s, **whole), plan.memory_plan(s, context_parallel=8, **whole)
     # The model state is sharded over the same 8 ranks either way (FSDP shards over dp_shard x cp).
     assert (eight.params, eight.optim, eight.gathered) == (one.params, one.optim, one.gathered)
     # Per token a rank holds: the block inputs (2h bytes each), the block recomputed in backward, the logits.
@@ -547,8 +573,17 @@ def test_context_parallel_splits_the_activations_of_llama_8b_at_131072_tokens_by
     assert round(one.total / GIB, 1) == 306.1 and round(eight.total / GIB, 1) == 62.2 and eight.fits(80)
     # Without context parallelism the least any plan needs (full sharding with offload) is what the question
     # refused before: "'seq_len': 8192 tokens fit: 131072 need 282.7 GiB per GPU, 72.0 usable".
-    least = plan.memory_plan(s, **{**kw, "sharding": "full", "cpu_offload": True})
+    least = plan.memory_plan(s, **{**whole, "sharding": "full", "cpu_offload": True})
     assert round(least.total / GIB, 1) == 282.7
+    # The loss in chunks of 2,048 positions (the default): 29.4 GB of logits per GPU at CP 8 become one chunk's
+    # 1.6 GB, the hidden states' gradient, four floats per position and the head's gradient (2.8 GB in all).
+    eight = plan.memory_plan(s, context_parallel=8, **kw)
+    loss = 2048 * V * (4 + 2) + 16384 * (2 * h + 16) + V * h * 2
+    assert eight.activations == 16384 * (32 * 2 * h + recomputed) + loss == 10_747_117_568
+    assert round(eight.total / GIB, 1) == 37.4
+    # ... and without context parallelism the least plan fits: 66.9 GiB, with CPU offload.
+    least = plan.memory_plan(s, **{**kw, "sharding": "full", "cpu_offload": True})
+    assert round(least.total / GIB, 1) == 66.9 and least.fits(80)
     # Key/value heads that a degree does not divide are repeated to the query heads: with tensor parallelism 2
     # a rank holds 4 of them, and 8 ranks of context parallelism would need 8 (the degrees it has are 2 and 4;
     # with 4 they divide). Selective checkpointing keeps the all-to-alls' outputs, p (2h + 2g) / t more.
@@ -695,24 +730,26 @@ def test_tensor_parallelism_is_planned_with_the_context_parallelism_a_long_seque
                       "cuda", "hopper", "llama"))  # fmt: skip
         assert q == best_degree(plan, cfg, base)
         picked[(preset, seq, nodes)] = (q, {int(d): e.get("cp") for d, e in q_all.items() if e})
-    # 131,072 tokens of 8b: FSDP alone at context parallelism 8 (62.2 GiB), before pairs at 4 that need offload.
-    assert picked[("8b", 131072, 1)] == (1, {1: 8, 2: 4})
-    # 131,064 tokens: 2 x 8 does not divide them, 2 x 4 does; pairs of GPUs at context parallelism 4 take them.
-    assert picked[("8b", 131064, 1)] == (2, {2: 4})
-    # 70b at 131,072 tokens on 8 nodes: every degree but 8 with its context parallelism.
-    assert picked[("70b", 131072, 8)][0] == 1 and picked[("70b", 131072, 8)][1][1] == 8
-    # 8b at 32,768 tokens on 2 nodes: pairs fit without it, so no degree is planned with it.
-    assert picked[("8b", 32768, 2)] == (2, {2: 1, 4: 1, 8: 1})
+    # 131,072 tokens of 8b with the loss in chunks: FSDP alone over pairs of context-parallel GPUs (no offload, the
+    # all-to-alls priced), before any tensor-parallel degree (which fits without it, at the cost of its collectives).
+    assert picked[("8b", 131072, 1)] == (1, {1: 2, 2: 1, 4: 1, 8: 1})
+    # 131,064 tokens: 2 x 2 divides them too (2 x 8 does not: context parallelism 2 is the smallest that fits).
+    assert picked[("8b", 131064, 1)] == (1, {1: 2, 2: 1, 4: 1, 8: 1})
+    # 70b at 131,072 tokens on 8 nodes: every degree with the context parallelism that fills the node's 8 GPUs.
+    assert picked[("70b", 131072, 8)] == (1, {1: 8, 2: 4, 4: 2, 8: 1})
+    # 8b at 32,768 tokens on 2 nodes: FSDP alone fits without it, so no degree is planned with it.
+    assert picked[("8b", 32768, 2)] == (1, {1: 1, 2: 1, 4: 1, 8: 1})
 
 
 def test_a_run_time_refusal_offers_the_longest_sequence_that_fits(plan):
-    # Launched on 40 GiB devices, 8b planned at 131,072 tokens over context parallelism 8: no smaller micro-batch and
-    # no larger degree, so the longest sequence that fits (a multiple of 16 and 128), not a halving of it.
+    # Launched on 10 GiB devices, 8b planned at 131,072 tokens over context parallelism 8: no smaller micro-batch, no
+    # larger degree and neither offload fit it (with the loss in chunks, 40 GiB take it with full recomputation), so
+    # the longest sequence that fits (a multiple of 16 and 128), not a halving of it.
     cfg = long_context_config(plan, "8b", 8, 1, 80, 1, 8, 131072)
-    fix = plan.check.device_fix(**subs(cfg), memory_gb=40)
+    fix = plan.check.device_fix(**subs(cfg), memory_gb=10)
     named = dict(re.findall(r"(train\.seq_len|parallel\.\w+)=(\w+)", fix))
     seq = int(named["train.seq_len"])
-    live = replace(cfg.hardware, gpu_memory_gb=40)
+    live = replace(cfg.hardware, gpu_memory_gb=10)
     assert seq == plan.longest_fitting_seq_len(**subs(cfg) | {"hardware": live}, longest=131072), fix
     assert seq % 128 == 0 and 65536 < seq < 131072 and seq & (seq - 1), fix  # past the halving, 65,536
 
@@ -755,6 +792,109 @@ def test_host_memory_of_70b_on_one_24_gib_gpu_by_hand(plan):
                                 cpu_offload=True)  # fmt: skip
     assert cpu.device == 2 * m.total and cpu.load == 2 * 2 * 4 * V * h + 4 * P + 2 * m.params
     assert cpu.export == 2 * 2 * 5e9 / 2 + 2 * 4 * V * h and cpu.runtime == 2 * GIB
+
+
+def test_activation_offload_parks_the_inputs_of_all_blocks_but_two_by_hand(plan):
+    from planpkg.config import HardwareConfig
+
+    # Llama 3.1 8B at 131,072 tokens over a context-parallel group of 8 GPUs (16,384 tokens a GPU), bf16, full
+    # checkpointing: each block keeps its input, 16,384 x 4,096 x 2 bytes (128 MiB). Offload parks 30 of the 32 in
+    # host memory (the last two never leave the GPU: their backward comes first).
+    s = shape(plan, "8b")
+    kw = dict(seq_len=131072, micro_batch_size=1, precision="bf16", sharding="full", cpu_offload=False,
+              gpus_per_node=8, num_nodes=1, context_parallel=8)  # fmt: skip
+    kept, parked = (plan.memory_plan(s, ac="full", activation_offload=on, **kw) for on in (False, True))
+    block_input = 16384 * 4096 * 2
+    assert parked.parked == 30 * block_input == 4_026_531_840 and kept.parked == 0
+    assert kept.activations - parked.activations == kept.total - parked.total == parked.parked
+    # Selective checkpointing keeps the same inputs (and its matmul outputs, which stay); none keeps no input to park.
+    selective = plan.memory_plan(s, ac="selective", activation_offload=True, **kw)
+    assert selective.parked == parked.parked
+    assert plan.memory_plan(s, ac="none", activation_offload=True, **kw).parked == 0
+    # The node's RAM holds its 8 GPUs' parked inputs while training: 30 GiB more, the peak (with pretrained weights,
+    # whose slices each rank reads, start-up holds less).
+    host_kw = dict(accelerator="cuda", precision="bf16", gpus_per_node=8, num_nodes=1, cpu_offload=False,
+                   init_from=True)  # fmt: skip
+    without, with_parked = (plan.host_memory_plan(s, m, **host_kw) for m in (kept, parked))
+    assert with_parked.parked == 8 * parked.parked and with_parked.training - without.training == 30 * GIB
+    assert with_parked.total == with_parked.runtime + with_parked.os + with_parked.training
+    assert "activation offload 30.0" in with_parked.describe()
+    # Over the host link: each parked input to the host and back, 8.05 GB a step, 0.16 s at 50 GB/s (PCIe Gen5 x16 as
+    # a pinned copy reaches it), hidden behind 2.0 s of compute at 40% MFU.
+    sent = plan.activation_offload_bytes(s, "bf16", 16384, context_parallel=8)
+    assert sent == 2 * parked.parked
+    hopper = HardwareConfig(accelerator="cuda", gpu_arch="hopper", gpus_per_node=8)
+    seconds = plan.activation_offload_seconds(sent, hardware=hopper)
+    assert seconds == pytest.approx(sent / 50e9) == pytest.approx(0.161, abs=1e-3)
+    assert 6 * s.P * 16384 / (0.4 * 989e12) > 10 * plan.activation_offload_seconds(sent, hardware=hopper)
+    # Two blocks or fewer park nothing.
+    assert plan.parked_bytes(shape(plan, "8b", n_layers=2), 16384, 8192) == 0
+
+
+def test_the_planner_parks_block_inputs_before_it_offloads_the_model_state(plan):
+    from planpkg.config import Config, HardwareConfig, ParallelConfig, TrainConfig
+
+    # Llama 3.1 8B on its whole 131,072-token context on 8 x H100 80 GB, without context parallelism: with the blocks'
+    # inputs kept no plan fits but CPU offload's (full sharding, full recomputation: 66.9 GiB of 72); parking them
+    # fits with shard_grad_op (60.3 GiB), and its copies cross the host link where CPU offload would move the whole
+    # sharded state and step AdamW on the CPU.
+    cfg = Config(model=model_config("8b", preset="8b"),
+                 train=TrainConfig(seq_len=131072, micro_batch_size=1, global_batch_size=8),
+                 parallel=ParallelConfig(mixed_precision="bf16"),
+                 hardware=HardwareConfig(accelerator="cuda", gpu_arch="hopper", gpus_per_node=8, gpu_memory_gb=80,
+                                         intra_node_link="nvlink"))  # fmt: skip
+    assert plan.cheapest(**subs(cfg)) == plan.PlanChoice("full", "shard_grad_op", False, True)
+    assert jinja("recommend", "8b", 131072, 1, "bf16", 8, 1, 80, "", "cuda") == "full,shard_grad_op,false,true"
+    assert plan.cheapest(**subs(cfg), activation_offload=False) == plan.PlanChoice("full", "full", True, False)
+    chosen = replace(cfg.parallel, activation_checkpointing="full", sharding="shard_grad_op")
+    args = dict(model=cfg.model, train=cfg.train, parallel=chosen, hardware=cfg.hardware, finetune=cfg.finetune)
+    assert plan.needs_activation_offload(**args)
+    assert round(plan.plan_for(**args, activation_offload=True).total / GIB, 1) == 60.3
+    assert round(plan.plan_for(**args, activation_offload=False).total / GIB, 1) == 90.3
+    # A config that leaves it off is refused at launch with that one setting as the fix.
+    fix = plan.check.device_fix(**subs(replace(cfg, parallel=chosen)), memory_gb=80)
+    assert fix.startswith("set parallel.activation_offload=true ("), fix
+
+
+def test_question_time_and_run_time_agree_with_activation_offload(plan):
+    # memory_plan's parked and activations, activation_offload_bytes and needs_activation_offload: plan.jinja's and
+    # plan/memory.py's, plan/communication.py's, plan/choice.py's.
+    from planpkg.config import Config, FinetuneConfig, HardwareConfig, ParallelConfig, TrainConfig
+
+    fields = ["activations", "parked", "total"]
+    needed = set()
+    grid = itertools.product(["1b", "8b", "70b"], ["bf16", "fp32"], ["none", "selective", "full"], [1, 2], [1, 2, 8],
+                             ["full", "lora"], [(8192, 40), (65536, 80)])  # fmt: skip
+    for preset, precision, ac, tp, cp, finetune, (seq, memory) in grid:
+        sp = cp % 2 == 1  # llama's sequence-parallel plan or transformers' (no context parallelism there)
+        if tp > 1 and finetune == "lora" or not sp and cp > 1:
+            continue
+        rank = HOOKS.LORA["rank"] if finetune == "lora" else 0
+        q = json.loads(jinja("memory_plan", preset, seq, 1, precision, ac, "full", False, 8, 1, 1, False, False, 0,
+                             "none", finetune, tp, sp, cp, 1, HOOKS.LOSS_CHUNK, True))  # fmt: skip
+        s = shape(plan, preset) if sp else shape(plan, preset, name="hf_causal_lm")
+        r = plan.memory_plan(s, seq_len=seq, micro_batch_size=1, precision=precision, ac=ac, sharding="full",
+                             cpu_offload=False, gpus_per_node=8, num_nodes=1, lora_rank=rank, tensor_parallel=tp,
+                             sequence_parallel=sp, context_parallel=cp, activation_offload=True)  # fmt: skip
+        for name in fields:
+            assert q[name] == pytest.approx(getattr(r, name), rel=1e-12), (preset, precision, ac, tp, cp, name)
+        tokens = seq // cp
+        qb = float(jinja("activation_offload_bytes", preset, precision, tokens, tp, sp, cp))
+        assert qb == pytest.approx(plan.activation_offload_bytes(s, precision, tokens, tp, sp, cp), rel=1e-12)
+        cfg = Config(model=model_config(preset, preset=preset, **({} if sp else {"name": "hf_causal_lm"})),
+                     train=TrainConfig(seq_len=seq, micro_batch_size=1, global_batch_size=8 // (tp * cp)),
+                     parallel=ParallelConfig(mixed_precision=precision, activation_checkpointing=ac,
+                                             tensor_parallel=tp, context_parallel=cp),
+                     hardware=HardwareConfig(accelerator="cuda", gpus_per_node=8, gpu_memory_gb=memory,
+                                             intra_node_link="nvlink"),
+                     finetune=FinetuneConfig(method=finetune))  # fmt: skip
+        qn = jinja("needs_activation_offload", preset, seq, 1, precision, ac, "full", False, 8, 1, memory, "cuda",
+                   False, finetune, tp, sp, cp)  # fmt: skip
+        rn = plan.needs_activation_offload(model=cfg.model, train=cfg.train, parallel=cfg.parallel,
+                                           hardware=cfg.hardware, finetune=cfg.finetune)  # fmt: skip
+        assert qn == str(rn).lower(), (preset, precision, ac, tp, cp, finetune, seq, memory)
+        needed.add(rn)
+    assert needed == {False, True}
 
 
 MOE = JINJA.get_template("hooks/presets.jinja").module.MOE_PRESETS
@@ -879,8 +1019,8 @@ def test_question_time_and_run_time_expert_parallel_recommendations_agree(moe):
             re_ = plan.estimate_expert_parallel(**args, degree=d, base_micro_batch=m["micro_batch_size"])
             assert bool(qe) == (re_ is not None), (preset, gpus, nodes, memory, d)
             if re_ is not None:
-                assert (qe["micro_batch_size"], qe["ac"], qe["sharding"], qe["offload"]) == (
-                    re_.micro_batch_size, re_.ac, re_.sharding, re_.cpu_offload)  # fmt: skip
+                assert (qe["micro_batch_size"], qe["ac"], qe["sharding"], qe["offload"], qe["activation_offload"]) == (
+                    re_.micro_batch_size, re_.ac, re_.sharding, re_.cpu_offload, re_.activation_offload)  # fmt: skip
                 assert qe["seconds_per_token"] == pytest.approx(re_.seconds_per_token, rel=1e-12)
         q = int(jinja("recommend_expert_parallel", preset, m["seq_len"], m["micro_batch_size"], "bf16", gpus, nodes,
                       memory, intra, inter, "cuda", "hopper"))  # fmt: skip
@@ -906,7 +1046,9 @@ VOLTA = {"accelerator": "cuda", "gpu_arch": "volta", "gpus_per_node": 8, "num_no
 
 
 def test_a_refused_plan_choice_suggests_a_plan_that_fits_the_answers_given_and_its_figure(plan):
-    a = {**VOLTA, "seq_len": int(ask("default_seq_len()", VOLTA))}
+    # 49,152 tokens: at the default length (8,192) the loss in chunks leaves room to spare without offload, and at
+    # 32,768 full recomputation with the blocks' inputs parked in host memory does.
+    a = {**VOLTA, "seq_len": 49152}
     # In a terminal the later questions come after: the cheapest plan with full recomputation is the fix (the
     # refused question's own answer bare: the line of a disabled choice has no room for its name).
     assert ask("ac_choice('selective')", a).startswith("choose full: at best ")
@@ -922,17 +1064,16 @@ def test_a_refused_plan_choice_suggests_a_plan_that_fits_the_answers_given_and_i
     fix = "choose full and cpu_offload=true: at best "
     assert half.startswith(fix) and half.endswith(" GiB/GPU"), half
     figure = float(half[len(fix) :].split()[0])
-    m = plan.memory_plan(shape(plan, "8b"), seq_len=a["seq_len"], micro_batch_size=1, precision="fp16", ac="full",
-                         sharding="full", cpu_offload=True, gpus_per_node=8, num_nodes=1)  # fmt: skip
-    assert figure == round(m.total / GIB, 1) and m.fits(32)
+    m, kept = (plan.memory_plan(shape(plan, "8b"), seq_len=a["seq_len"], micro_batch_size=1, precision="fp16",
+                                ac="full", sharding="full", cpu_offload=True, gpus_per_node=8, num_nodes=1,
+                                activation_offload=parked) for parked in (True, False))  # fmt: skip
+    assert figure == round(m.total / GIB, 1) and m.fits(32) and not kept.fits(32)  # its blocks' inputs parked too
     assert ask("offload_choice(false)", {**a, "activation_checkpointing": "full", "sharding": "full"}).startswith(
         f"choose cpu_offload=true ({figure} GiB): this needs "
     )
 
 
 def test_run_time_refusals_name_only_fixes_that_fit(plan):
-    from dataclasses import replace
-
     def device(sub: dict):
         return plan.plan_for(**{k: v for k, v in sub.items() if k != "checkpoint"})
 
@@ -976,14 +1117,14 @@ HOST_GRID = random.Random(0).sample([c for c in itertools.product(
 
 def test_question_time_and_run_time_host_memory_agree(plan):
     # plan.jinja's host_memory_plan against plan/host.py's.
-    fields = ["runtime", "state", "device", "staging", "load", "start", "export", "os", "total"]
+    fields = ["runtime", "state", "device", "staging", "load", "start", "export", "os", "parked", "total"]
     checked = 0
     for preset, accelerator, precision, sharding, offload, (gpus, nodes), finetune, fmt, export in HOST_GRID:
         seq, mbs = PRESETS[preset]["seq_len"], PRESETS[preset]["micro_batch_size"]
         rank = HOOKS.LORA["rank"] if finetune == "lora" else 0
         m = plan.memory_plan(shape(plan, preset), seq_len=seq, micro_batch_size=mbs, precision=precision, ac="full",
                              sharding=sharding, cpu_offload=offload, gpus_per_node=gpus, num_nodes=nodes,
-                             lora_rank=rank)  # fmt: skip
+                             lora_rank=rank, activation_offload=checked % 2 == 1)  # fmt: skip
         q = json.loads(jinja("host_memory_plan", preset, {**asdict(m), "total": m.total}, accelerator, precision, gpus,
                              nodes, offload, finetune, fmt, export, finetune == "lora"))  # fmt: skip
         r = plan.host_memory_plan(shape(plan, preset), m, accelerator=accelerator, precision=precision,
@@ -1019,8 +1160,8 @@ def test_question_time_and_run_time_recommendations_agree_on_host_memory(plan):
         )  # fmt: skip
         args = [preset, p["seq_len"], p["micro_batch_size"], "bf16", gpus, nodes, memory, link, accelerator]
         q = hook("plan", "recommend", *args, "full", 1, host)
-        ac, sharding, offload = plan.recommend(**subs(cfg))
-        assert q == f"{ac},{sharding},{str(offload).lower()}", (preset, gpus, nodes, memory, host, link, accelerator)
+        r = ",".join(str(choice).lower() for choice in plan.recommend(**subs(cfg)))  # ac,sharding,offload,parked
+        assert q == r, (preset, gpus, nodes, memory, host, link, accelerator)
         differ += q != hook("plan", "recommend", *args)  # without a host figure
         refused += plan.cheapest(**subs(cfg)) is None
     assert differ > 10 and refused > 10, (differ, refused)  # the node's RAM changes picks and refuses plans

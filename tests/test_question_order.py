@@ -65,6 +65,8 @@ def assert_plan_agrees(root) -> dict:
     text = (root / "PLAN.md").read_text()
     assert "your answer" not in text, "PLAN.md calls a default the user's answer"
     plan = f"{a['activation_checkpointing']}, {a['sharding']}, {'yes' if a['cpu_offload'] else 'no'}"
+    if "## Activation offload: yes" in text:  # not a question: the planner's, where nothing fits without it
+        plan += ", activation offload"
     # The memory table and the line under it: the configured plan, the planner's own pick, within the budget.
     budget = 0.9 * a["gpu_memory_gb"]
     peak = float(re.search(r"The configured plan \(bold\) needs \*\*([\d.]+) GiB\*\* per GPU", text).group(1))

@@ -47,12 +47,12 @@ REFUSED = {
     "70b_on_one_small_gpu": (
         {"gpus_per_node": 1, "gpu_memory_gb": 8, "model_size": "70b"},
         "model_size",
-        "needs 12.3 GiB/GPU at 128 tokens, 7.2 usable",
+        "needs 12.2 GiB/GPU at 128 tokens, 7.2 usable",
     ),
     "70b_sequence_too_long": (
-        {"gpus_per_node": 1, "gpu_memory_gb": 24, "host_memory_gb": 2048, "model_size": "70b", "seq_len": 8192},
+        {"gpus_per_node": 1, "gpu_memory_gb": 24, "host_memory_gb": 2048, "model_size": "70b", "seq_len": 16384},
         "seq_len",
-        "2816 fit: this needs 39.0 GiB/GPU",
+        "13568 fit: this needs 22.9 GiB/GPU",
     ),
     # Offload is the only plan for 70b on one 24 GiB GPU, and its 16 bytes per parameter need 1 TiB of RAM.
     "70b_host_memory": (
@@ -61,9 +61,24 @@ REFUSED = {
         "needs 1073.5 GiB RAM per node, 230.4 usable",
     ),
     "offload_host_memory": (
-        {"host_memory_gb": 48, "model_size": "1b", "cpu_offload": True},
+        {"host_memory_gb": 48, "model_size": "1b", "sharding": "full", "cpu_offload": True},
         "cpu_offload",
         "choose cpu_offload=false: 55.6 GiB RAM (offload 18.4), 43.2 usable",
+    ),
+    # Llama 3.1 8B's whole 131,072-token context on each H100 (no context parallelism) fits the GPUs only with the
+    # blocks' inputs parked in host memory: 30 GiB a GPU, more than a 256 GiB node holds for 8.
+    "activation_offload_host_memory": (
+        {
+            "model_size": "8b",
+            "seq_len": 131072,
+            "context_parallel": 1,
+            "activation_checkpointing": "full",
+            "sharding": "full",
+            "cpu_offload": False,
+            "host_memory_gb": 256,
+        },
+        "cpu_offload",
+        "choose cpu_offload=true: 279.2 GiB RAM (parked 240.0), 230.4 usable",
     ),
     "async_checkpoint_host_memory": (
         {
@@ -89,7 +104,7 @@ REFUSED = {
     "8b_ddp_does_not_fit": (
         {"model_size": "8b", "sharding": "no_shard", "activation_checkpointing": "selective"},
         "sharding",
-        "choose shard_grad_op: at best 54.9 GiB per GPU, 72.0 usable",
+        "choose shard_grad_op: at best 43.7 GiB per GPU, 72.0 usable",
     ),
     "ac_none_cannot_fit": (
         {"gpus_per_node": 1, "gpu_memory_gb": 24, "model_size": "8b", "activation_checkpointing": "none"},
@@ -99,12 +114,12 @@ REFUSED = {
     "8b_ddp_fits_only_with_zero": (
         {"model_size": "8b", "sharding": "no_shard", "activation_checkpointing": "full", "zero_optimizer": False},
         "zero_optimizer",
-        "choose zero_optimizer=true (69.8 GiB): this needs 122.1 GiB/GPU",
+        "choose zero_optimizer=true (58.6 GiB): this needs 110.9 GiB/GPU",
     ),
     "offload_needed": (
         {"gpus_per_node": 1, "gpu_memory_gb": 24, "model_size": "8b", "cpu_offload": False},
         "cpu_offload",
-        "cpu_offload=true (21.4 GiB)",
+        "cpu_offload=true (10.2 GiB)",
     ),
     "offload_with_ddp": (
         {"model_size": "debug", "sharding": "no_shard", "cpu_offload": True},
@@ -143,27 +158,32 @@ REFUSED = {
         "tensor_parallel",
         "answer 1, 2 or 4 (seq_len)",
     ),
-    # 131,072 tokens need every sequence split over the node: no degree of tensor parallelism leaves room for that.
+    # On 8 GiB GPUs 131,072 tokens need every sequence split over more than 8 / tensor_parallel GPUs of the node: with
+    # tensor parallelism 8 no context-parallel degree is left to do that.
     "tensor_parallel_leaves_no_plan": (
-        {"model_size": "8b", "seq_len": 131072, "tensor_parallel": 8},
+        {"model_size": "8b", "seq_len": 131072, "tensor_parallel": 8, "gpu_memory_gb": 8},
         "tensor_parallel",
-        "'tensor_parallel': answer 1 or 2",
+        "'tensor_parallel': answer 4",
     ),
-    # No split takes an odd length: the nearest lengths the one that would fit takes (tensor parallelism 2 x
-    # context parallelism 4: multiples of 8).
-    "sequence_no_split_takes": ({"seq_len": 131071}, "seq_len", "a multiple of 8: 131064 or 131072"),
+    # On 40 GiB GPUs no plan takes a whole 131,071-token sequence, and no split takes an odd length: the nearest
+    # lengths the one that would fit takes (tensor parallelism 2: multiples of 2).
+    "sequence_no_split_takes": (
+        {"seq_len": 131071, "gpu_memory_gb": 40},
+        "seq_len",
+        "a multiple of 2: 131070 or 131072",
+    ),
     # A refusal does not grow with the number typed.
     "micro_batch_far_too_large": ({"model_size": "8b", "micro_batch_size": 100000}, "micro_batch_size", ": 1 fits"),
     # Context parallelism: a sequence no degree fits, and degrees that cannot split it.
     "sequence_too_long_even_split": (
-        {"gpu_memory_gb": 24, "seq_len": 131072},
+        {"gpu_memory_gb": 6, "seq_len": 131072},
         "seq_len",
-        "66176 fit: this needs 38.8 GiB/GPU",
+        "100608 fit: this needs 6.5 GiB/GPU",
     ),
     "context_parallel_beyond_node": (
         {"seq_len": 131072, "context_parallel": 16},
         "context_parallel",
-        "answer 8 (8 GPUs)",
+        "answer 1, 2, 4 or 8 (8 GPUs)",
     ),
     "context_parallel_splits_heads": (
         {"model_size": "125m", "seq_len": 2048, "context_parallel": 8},
@@ -176,9 +196,9 @@ REFUSED = {
         "answer 1, 2 or 4 (seq_len)",
     ),
     "context_parallel_too_small": (
-        {"seq_len": 131072, "context_parallel": 2},
+        {"gpu_memory_gb": 12, "seq_len": 131072, "context_parallel": 4},
         "context_parallel",
-        "answer 8: needs 143.3 GiB/GPU",
+        "answer 8: needs 14.1 GiB/GPU",
     ),
     "context_parallel_without_a_plan": (
         {"model_type": "custom", "context_parallel": 2},
@@ -187,7 +207,7 @@ REFUSED = {
     ),
     "context_parallel_zero": ({"context_parallel": 0}, "context_parallel", "must be at least 1"),
     "context_parallel_with_ddp": (
-        {"seq_len": 131072, "sharding": "no_shard"},
+        {"seq_len": 131072, "context_parallel": 8, "sharding": "no_shard"},
         "sharding",
         "choose full or shard_grad_op: not with context_parallel=8",
     ),
@@ -292,8 +312,8 @@ def test_every_question_that_can_refuse_has_a_case_here():
 @pytest.mark.parametrize(
     "case",
     ["8b_ddp_does_not_fit", "ac_none_cannot_fit", "offload_needed", "70b_sequence_too_long", "offload_host_memory",
-     "async_checkpoint_host_memory", "sequence_too_long_even_split", "sequence_no_split_takes",
-     "micro_batch_far_too_large", "tensor_parallel_leaves_no_plan"],
+     "activation_offload_host_memory", "async_checkpoint_host_memory", "sequence_too_long_even_split",
+     "sequence_no_split_takes", "micro_batch_far_too_large", "tensor_parallel_leaves_no_plan"],
 )  # fmt: skip
 def test_the_fix_a_memory_refusal_names_is_accepted(tmp_path, case):
     """A refusal starts with its fix (`choose ...`, `N fit`, `a multiple of M: A or B`, `answer ...`); taking each
@@ -309,16 +329,17 @@ def test_the_fix_a_memory_refusal_names_is_accepted(tmp_path, case):
 
 
 def test_70b_on_one_gpu_renders_with_the_host_memory_it_needs(tmp_path):
-    """The plan 70b_host_memory refuses, on a node with 2 TiB: CPU offload, and PLAN.md's host column says why."""
+    """The plan 70b_host_memory refuses, on a node with 2 TiB: CPU offload, the preset's 8,192 tokens with the blocks'
+    inputs parked in host memory too, and PLAN.md's host column says why."""
     root = render(tmp_path / "p", {**REFUSED["70b_host_memory"][0], "host_memory_gb": 2048})
     answers = answers_of(root)
     assert (answers["cpu_offload"], answers["sharding"], misfit(answers)) == (True, "full", "")
     plan = (root / "PLAN.md").read_text()
     assert "| peak (GiB) | host per node (GiB) | fits |" in plan
-    # The default sequence is the longest multiple of 128 tokens that fits (2816), no longer a halving (2048).
-    assert answers["seq_len"] == 2816
-    assert "| **full** | yes | 0.0 | 11.9 | 9.3 | 21.2 | 1073.5 | yes |" in plan
-    assert "| offload | 1051.3 GiB |" in plan and "| **peak** | **1073.5 GiB** |" in plan
+    assert answers["seq_len"] == 8192
+    assert "| **full** | yes | 0.0 | 11.9 | 7.2 (+ 9.8 parked) | 19.1 | 1083.2 | yes |" in plan
+    assert "| offload | 1051.3 GiB |" in plan and "| **peak** | **1083.2 GiB** |" in plan
+    assert "| activation offload | 9.8 GiB |" in plan and "## Activation offload: yes" in plan
     assert "host_memory_gb = 2048" in (root / "configs" / "70b.toml").read_text()
 
 
@@ -336,12 +357,13 @@ HARDWARE = [
     {"gpus_per_node": 1, "gpu_memory_gb": 24, "host_memory_gb": 64, "model_type": "llama"},
     {"accelerator": "cpu", "gpus_per_node": 4, "host_memory_gb": 8, "model_type": "llama"},
     {"gpus_per_node": 2, "gpu_memory_gb": 40, "model_type": "hf_causal_lm", "finetune": "lora"},
-    # Ethernet between nodes: the planner splits layers within each node (tensor_parallel > 1), in groups of
-    # 4 for llama, of 8 for transformers' plan, whose whole activations need more memory.
+    # Ethernet between nodes: the planner splits layers within each node (tensor_parallel > 1), in groups of 8,
+    # which fit 8 sequences a micro-batch with the loss in chunks (train.loss_chunk).
     {"num_nodes": 4, "inter_node_link": "ethernet", "gpu_memory_gb": 80, "model_type": "llama"},
     {"num_nodes": 4, "inter_node_link": "ethernet", "gpu_memory_gb": 80, "model_type": "hf_causal_lm"},
-    # Llama 3.1's whole context on 8 x 80 GiB: every sequence split over the node (context_parallel=8).
-    {"gpu_memory_gb": 80, "model_type": "llama", "seq_len": 131072},
+    # Llama 3.1's whole context on 8 x 40 GiB: every sequence split over 4 GPUs (context_parallel=4); on 80 GiB
+    # each GPU holds a whole one, its loss in chunks, with CPU offload.
+    {"gpu_memory_gb": 40, "model_type": "llama", "seq_len": 131072},
     # A mixture of experts: Qwen3-30B-A3B on one node of 8 x 80 GiB (expert parallelism 8, the planner's pick), on
     # two nodes, and on one 80 GiB GPU (the largest MoE preset that fits), and the debug MoE on CPU ranks.
     {"gpu_memory_gb": 80, "model_type": "qwen3_moe"},
@@ -359,9 +381,8 @@ def test_the_planners_defaults_are_always_allowed_and_fit(tmp_path, hardware):
     assert misfit(answers) == "", answers
     assert {k: answers[k] for k in hardware} == hardware
     if hardware.get("num_nodes") == 4:
-        expected = 4 if hardware["model_type"] == "llama" else 8
-        assert answers["tensor_parallel"] == expected and answers["sharding"] != "no_shard", answers
-    assert answers.get("context_parallel", 1) == (8 if hardware.get("seq_len") == 131072 else 1), answers
+        assert answers["tensor_parallel"] == 8 and answers["sharding"] != "no_shard", answers
+    assert answers.get("context_parallel", 1) == (4 if hardware.get("seq_len") == 131072 else 1), answers
     if hardware.get("model_type") == "qwen3_moe" and hardware.get("gpus_per_node", 8) == 8:
         assert (answers["model_size"], answers["expert_parallel"]) == ("30b-a3b", 8), answers
 
@@ -401,10 +422,12 @@ def refusal_of(tmp_path, answers: dict) -> str:
 
 
 # The Volta case of issue 28: 8b on 8 x 32 GiB GPUs with DDP, no offload and no ZeRO optimizer given on the
-# command line. Selective recomputation fits only with other sharding, and full sharding only with offload.
+# command line, at 32,768 tokens (at 8,192 the loss in chunks leaves room without offload). Selective
+# recomputation fits only with other sharding, and full sharding only with offload.
 VOLTA = {"gpu_arch": "volta", "gpus_per_node": 8, "gpu_memory_gb": 32, "model_type": "custom", "model_size": "8b",
          "micro_batch_size": 1, "intra_node_link": "pcie", "sharding": "no_shard", "cpu_offload": False,
-         "zero_optimizer": False, "activation_checkpointing": "selective", "customize": True}  # fmt: skip
+         "zero_optimizer": False, "activation_checkpointing": "selective", "customize": True,
+         "seq_len": 49152}  # fmt: skip
 
 
 def test_a_refusal_names_every_answer_its_fix_changes_and_following_it_renders(tmp_path):
@@ -414,7 +437,7 @@ def test_a_refusal_names_every_answer_its_fix_changes_and_following_it_renders(t
     # Following only the first answer of it, the next refusal asks for the rest, with the suggested plan's figure, not
     # the refused one's.
     half = refusal_of(tmp_path, {**VOLTA, "activation_checkpointing": "full"})
-    assert half == "Invalid choice for 'sharding': choose full and cpu_offload=true: at best 21.4 GiB/GPU"
+    assert half == "Invalid choice for 'sharding': choose full and cpu_offload=true: at best 17.9 GiB/GPU"
     (fix,) = suggestions(message)
     root = render(tmp_path / "fixed", {**VOLTA, **fix})
     recorded = answers_of(root)

@@ -380,7 +380,10 @@ def set_collective_timeout(seconds: int) -> None:
 
 
 def any_rank(flag: bool, device: torch.device) -> bool:
-    """True if any rank passes True; every rank gets the same answer, so control flow stays in step."""
+    """True if any rank passes True; every rank gets the same answer, so control flow stays in step. The loop asks
+    after every step: alone, a rank asks no one (a collective read back on the host would wait for the step)."""
+    if dist.get_world_size() == 1:
+        return flag
     t = torch.tensor([int(flag)], device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())

@@ -25,6 +25,7 @@ from .checkpoint import verify
 from .config import CheckpointConfig, EvalConfig, UsageError
 from .context_parallel import SequenceSplit
 from .data import IGNORE_INDEX
+from .loss import chunked_head, scoring
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -67,13 +68,14 @@ def evaluate(
     `group` holds the ranks that split the batches (the strategy's dp_group; None: all ranks):
     the ranks of a tensor-parallel group score the same samples, so only one of each is summed.
     `split` is context parallelism's (step.StepContext.sequence_split): each rank of the group scores its chunks
-    of every sequence, and the group is among the ranks whose sums add up.
+    of every sequence, and the group is among the ranks whose sums add up. A model whose head computes the loss
+    in chunks (loss.py) is scored so too: its logits are never whole here either.
     """
     started = time.perf_counter()
     was_training = model.training
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, targets
-    classifier = False
+    classifier, head = False, chunked_head(model)
     try:
         with torch.no_grad():
             for micro_batches in batches:
@@ -81,13 +83,17 @@ def evaluate(
                     positions = None
                     if split is not None:
                         inputs, targets, positions = split(inputs, targets)
-                    with autocast():
+                    with autocast(), scoring(head, targets, predict=True) as scored:
                         # model(x): FSDP's hooks live in __call__
                         out = model(inputs) if positions is None else model(inputs, positions=positions)
-                        logits = out.flatten(0, -2).float()
                     classifier, flat = targets.ndim == 1, targets.flatten()
-                    totals[0] += F.cross_entropy(logits, flat, reduction="sum").double()
-                    totals[1] += (logits.argmax(-1) == flat).sum()
+                    if scored is not None:  # each position's loss (0 where not scored), and its prediction
+                        totals[0] += out.sum().double()
+                        totals[1] += (scored.predictions.flatten() == flat).sum()
+                    else:
+                        logits = out.flatten(0, -2).float()
+                        totals[0] += F.cross_entropy(logits, flat, reduction="sum").double()
+                        totals[1] += (logits.argmax(-1) == flat).sum()
                     totals[2] += (flat != IGNORE_INDEX).sum()  # every target, but the unscored ones of sft
     finally:
         model.train(was_training)

@@ -11,7 +11,7 @@ still trains on batches of its own. A sparse layer's forward pass, with AllToAll
               (an all-to-all of num_experts counts), so each knows how many rows it will receive
     dispatch  the copies themselves (all_to_all_single with those split sizes, differentiable), then
               regrouped by local expert
-    experts   one grouped matmul per projection over this rank's experts (models/qwen3_moe/moe.py)
+    experts   one grouped matmul per projection over this rank's experts (Qwen3-MoE's GroupedExperts)
     combine   the outputs back to the ranks that sent them (the reverse all-to-all), in their order
 
 The split sizes depend on the routing, so such a block compiles with graph breaks (parallelize.apply_compile).
@@ -61,7 +61,7 @@ def _wait(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class AllToAllDispatcher(nn.Module):
-    """models/qwen3_moe/moe.py's Dispatcher over the ranks of `mesh` (one expert-parallel group), each holding
+    """Qwen3-MoE's Dispatcher over the ranks of `mesh` (one expert-parallel group), each holding
     num_experts / mesh.size() consecutive experts: rank j the experts j E / n to (j + 1) E / n - 1."""
 
     def __init__(self, mesh: DeviceMesh, num_experts: int) -> None:
@@ -202,7 +202,7 @@ def check_expert_parallel(*, shape: ModelShape, degrees: Degrees) -> None:
     only: a dense model's config refuses any degree but 1; Degrees.check refuses one that does not divide the ranks
     that shard each weight).
 
-    FSDP shards an expert along its second dimension (models/qwen3_moe/moe.py GroupedExperts), evenly: the hidden
+    FSDP shards an expert along its second dimension (Qwen3-MoE's GroupedExperts), evenly: the hidden
     size and one expert's width must split over the degrees.efsdp ranks that share it (all of the shard group's
     without expert parallelism).
     """

@@ -271,7 +271,7 @@ def read_prompts(args: argparse.Namespace, tokens: Tokens) -> list[tuple[str, li
             if messages:
                 prompts.append(("", tokens.chat(messages, where)))
         if not prompts:
-            raise UsageError(f'--chat {args.chat}: no chat in it; write one a line, {{"messages": [...]}}')
+            raise UsageError(f"--chat {args.chat}: no chat in it; write one a line, " + '{"messages": [...]}')
         return prompts
     if args.prompt_file is not None:
         if not args.prompt_file.is_file():

@@ -1,20 +1,21 @@
-"""Float8, tensor, context and expert parallelism, activation checkpointing, compile and FSDP, applied to a
-model on the meta device.
+"""Float8, tensor, context and expert parallelism, activation checkpointing and offload, compile and FSDP,
+applied to a model on the meta device.
 
 `parallelize` is the one place that applies them, in torchtitan's order: float8 layers, then split
 each layer over the tensor-parallel ranks, swap attention for its context-parallel form
 (context_parallel.py) and split the experts over the expert-parallel ranks (expert_parallel.py),
-checkpoint each block, compile each block, then shard each block and finally the root over the
-data-parallel (and context-parallel) ranks. Each step only works on what the one before it left (FSDP
-shards the DTensors that TP and EP made; the checkpoint wrappers rename the modules TP and CP find by
-path; compile sees the wrappers), so the order is not a matter of taste. This is the only file that
-calls `parallelize_module` and `fully_shard`.
+checkpoint each block, park the inputs it keeps in host memory (activation_offload.py), compile each
+block, then shard each block and finally the root over the data-parallel (and context-parallel) ranks.
+Each step only works on what the one before it left (FSDP shards the DTensors that TP and EP made; the
+checkpoint wrappers rename the modules TP and CP find by path; compile sees the wrappers), so the order
+is not a matter of taste. This is the only file that calls `parallelize_module` and `fully_shard`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -34,7 +35,8 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from .config import ParallelConfig, UsageError
+from .activation_offload import apply_activation_offload
+from .config import JOB_WIDE, ParallelConfig, UsageError
 from .context_parallel import apply_cp
 from .distributed import data_parallel_mesh
 from .expert_parallel import apply_ep, expert_fsdp_mesh, expert_placement
@@ -47,23 +49,28 @@ if TYPE_CHECKING:
     from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+logger = logging.getLogger(__name__)
 
 
 def parallelize(
     model: nn.Module, *, parallel: ParallelConfig, mesh: DeviceMesh | None, tp_plan: TensorParallelPlan | None,
     cp_plan: ContextParallelPlan | None = None, adapter_rank: int = 0, expert_mesh: DeviceMesh | None = None,
+    one_rank: bool = False,
 ) -> None:  # fmt: skip
     """Make the model on the meta device what `parallel` asks for, in place: float8 -> TP -> CP -> EP -> AC ->
-    compile -> FSDP.
+    activation offload -> compile -> FSDP.
 
     `mesh` is distributed.build_mesh's (None for DDP, which strategy.py wraps once the weights are in);
     `tp_plan` and `cp_plan` the model's tensor- and context-parallel plans, used when the mesh has a "tp"
     or a "cp" dimension; `adapter_rank` LoRA's rank (0: no adapters), which selective checkpointing
     recomputes rather than keeps; `expert_mesh` distributed.expert_mesh's, whose "ep" ranks split the
-    experts (None: every rank holds every expert).
+    experts (None: every rank holds every expert); `one_rank` that the run has nothing to shard
+    (strategy.shards_nothing): no FSDP then, and compile takes the whole model, as the plain loop does (block by
+    block with activation offload, whose hooks run between the compiled blocks).
     """
-    sharded = parallel.sharding != "no_shard"
+    sharded = parallel.sharding != "no_shard" and not one_rank
     apply_float8(model.layers, parallel.float8, fsdp=sharded)
+    float8_compile_settings(parallel.float8, compiled=parallel.compile)
     if mesh is not None and "tp" in mesh.mesh_dim_names:
         apply_tp(model, mesh["tp"], tp_plan)  # before the wrappers rename the blocks' modules
     if mesh is not None and "cp" in mesh.mesh_dim_names:
@@ -71,7 +78,13 @@ def parallelize(
     if expert_mesh is not None:
         apply_ep(model.layers, expert_mesh["ep"])
     apply_ac(model.layers, parallel.activation_checkpointing, adapter_rank=adapter_rank)
-    if parallel.compile:
+    if parallel.activation_offload:
+        parking = apply_activation_offload(model.layers)  # its hooks run around compiled blocks: blocks to hook
+        logger.info("activation offload: the inputs of %d of %d blocks wait for backward in host memory",
+                    parking.parked_blocks, len(model.layers))  # fmt: skip
+    if parallel.compile and one_rank and not parallel.activation_offload:
+        apply_compile_whole(model, parallel.compile_backend)
+    elif parallel.compile:
         # The all-to-all's split sizes are data: an expert-parallel block compiles in pieces around it.
         apply_compile(model.layers, parallel.compile_backend, fullgraph=expert_mesh is None)
     if sharded:
@@ -154,6 +167,37 @@ def apply_float8(layers: nn.ModuleList, recipe: str, *, fsdp: bool) -> None:
         config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
     for block in layers:
         convert_to_float8_training(block, config=config, module_filter_fn=float8_eligible)
+
+
+def float8_compile_settings(recipe: str, *, compiled: bool) -> None:
+    """What float8 needs from torch.compile. Without it every cast into float8 (an abs, a max, a scale and a cast
+    per tensor, forward and backward) is a kernel of its own and float8 runs slower than bf16: the launch says so.
+    Rowwise scaling compiles with inductor emulating eager's precision casts, torchtitan's workaround for NaNs
+    when recomputed float8 activations round otherwise than the forward's (pytorch/pytorch#150859)."""
+    if recipe == "none":
+        return
+    if not compiled:
+        logger.warning(
+            "parallel.float8=%s without parallel.compile: each float8 cast is a kernel of its own, and the step is "
+            "likely slower than bf16's; set parallel.compile=true", recipe, extra=JOB_WIDE,
+        )  # fmt: skip
+    elif recipe == "rowwise":
+        import torch._inductor.config
+
+        torch._inductor.config.emulate_precision_casts = True
+
+
+def float8_after_update(model: nn.Module, recipe: str, *, fsdp: bool) -> Callable[[], None] | None:
+    """What train_step runs after each optimizer step for float8 (None: nothing). With tensorwise scaling under
+    FSDP the weights are all-gathered in float8, each cast with its own scale: torchao's
+    precompute_float8_dynamic_scale_for_fsdp computes every weight's scale at once, one max per weight and one
+    all-reduce in all, where each all-gather would otherwise compute its weight's (its max, its all-reduce,
+    eagerly, outside the compiled blocks), forward and backward. torchtitan calls it there too."""
+    if recipe != "tensorwise" or not fsdp:
+        return None
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    return functools.partial(precompute_float8_dynamic_scale_for_fsdp, model)
 
 
 def float8_eligible(module: nn.Module, fqn: str) -> bool:
@@ -243,13 +287,25 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, plan: TensorParallelPlan) -> No
 
 def apply_compile(layers: nn.ModuleList, backend: str, *, fullgraph: bool = True) -> None:
     """Compile each block in place; whole-model compile would break at every FSDP hook."""
+    _allow_checkpointed_side_effects()
+    for block in layers:
+        block.compile(backend=backend, fullgraph=fullgraph)
+
+
+def apply_compile_whole(model: nn.Module, backend: str) -> None:
+    """Compile the whole model in place, where no FSDP hook splits it (one rank): the embeddings, the final norm
+    and the output projection fuse too, and the blocks' graphs run back to back. Not fullgraph: a model may
+    break its graph where it must (it then runs in pieces, each compiled)."""
+    _allow_checkpointed_side_effects()
+    model.compile(backend=backend)
+
+
+def _allow_checkpointed_side_effects() -> None:
     # Dynamo refuses a write to state outside a checkpointed region, because eager checkpointing would replay it
     # when it recomputes the block. With `kernels` installed (a dependency of transformers 5.25), transformers wraps
     # attention's forward in such a write: it sets a global that routes the rotary function, then restores it, so
     # there is nothing to replay, and without this flag no checkpointed transformers block compiles.
     torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
-    for block in layers:
-        block.compile(backend=backend, fullgraph=fullgraph)
 
 
 def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
@@ -305,7 +361,7 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig, *, exper
 
 def shard_placement(block: nn.Module, experts: FSDPMeshInfo | None = None) -> Callable | None:
     """FSDP's dimension for each parameter of `block`: 0 (None), unless its module names another in
-    `fsdp_shard_dim`. A mixture of experts' stacked expert weights (models/qwen3_moe/moe.py) shard along
+    `fsdp_shard_dim`. A mixture of experts' stacked expert weights (Qwen3-MoE's GroupedExperts) shard along
     their hidden dimension: the state-dict adapter splits them per expert along the first, and DTensor
     refuses that split along a sharded dimension, while along another each expert is a view of every
     rank's shard, which DCP reads and writes in place. Under expert parallelism (`experts`: the ranks

@@ -4,8 +4,8 @@ re-assembles the sequence, and a change to it reaches them all.
 
     init_distributed -> build_model_meta -> build_optimizer -> loaders, checkpoints, train state
 
-build_model_meta follows DESIGN's FSDP2 rules: the model is built on the meta device, LoRA adds its
-adapters (one hook), parallelize() applies float8, tensor and context parallelism, activation
+build_model_meta follows the FSDP2 rules (tests/test_fsdp_rules.py): the model is built on the meta device, LoRA
+adds its adapters (one hook), parallelize() applies float8, tensor and context parallelism, activation
 checkpointing, compile and FSDP in that order, `to_empty` allocates this rank's shards only, and then every weight
 is set: from rank 0's seeded init or pretrained files, the same at any world size, and every
 non-persistent buffer recomputed. The optimizer is built after sharding, on the sharded parameters.
@@ -35,12 +35,13 @@ from .distributed import (
     resolve_device,
 )
 from .evaluate import checkpoint_to_evaluate
+from .loss import apply_chunked_loss, loss_chunk
 from .metrics import init_logging
 from .models import ModelConfig, ModelSpec, model_spec
 from .models.lora import apply_lora, lora_rank
 from .parallelize import DTYPES, parallelize
 from .step import StepContext, build_step_context
-from .strategy import Strategy, build_strategy, strategy_class
+from .strategy import Strategy, build_strategy, shards_nothing, strategy_class
 from .train_state import TrainState
 from .weights import apply_initial_weights
 
@@ -94,7 +95,7 @@ def build_run(cfg: Config, *, env: DistEnv | None = None, faults: FaultHook | No
     spec = model_spec(cfg.model.name)
     if env is None:
         env = init_distributed(device=cfg.device, dist=cfg.dist, parallel=cfg.parallel, seed=cfg.train.seed)
-    strategy = build_strategy(cfg.parallel, env.mesh, env.device)
+    strategy = build_strategy(cfg.parallel, env.mesh, env.device, degrees=env.degrees)
     root = Path(cfg.run_dir) / "checkpoints"
     checkpoints = CheckpointManager(cfg.checkpoint, root, env.rank, env.degrees, model=cfg.model, faults=faults)
     if cfg.eval.only:
@@ -104,6 +105,8 @@ def build_run(cfg: Config, *, env: DistEnv | None = None, faults: FaultHook | No
     model = build_model_meta(
         spec=spec, model=cfg.model, finetune=cfg.finetune, parallel=cfg.parallel, env=env, strategy=strategy,
         init_from=cfg.checkpoint.init_from, seed=cfg.train.seed, init_weights=resume is None,
+        loss_chunk=loss_chunk(train=cfg.train, context_parallel=cfg.parallel.context_parallel,
+                              logits=spec.shape(cfg.model).logits),
     )  # fmt: skip
     optimizer, scheduler = build_optimizer(model, train=cfg.train, strategy=strategy)
     data = {"data": cfg.data, "train": cfg.train, "eval": cfg.eval, "model": cfg.model}
@@ -112,7 +115,7 @@ def build_run(cfg: Config, *, env: DistEnv | None = None, faults: FaultHook | No
     step_context = build_step_context(
         parallel=cfg.parallel, train=cfg.train, unscored_targets=source_spec(cfg.data.source).unscored_targets,
         strategy=strategy, device=env.device, cp_rank=env.degrees.cp_rank(env.rank), cp=env.degrees.cp,
-        model=strategy.unwrap(model),
+        model=strategy.unwrap(model), log_every=cfg.metrics.log_every,
     )  # fmt: skip
     state = TrainState(model, optimizer, scheduler, loader, env.rank, strategy)
     return Run(cfg, env, strategy, spec, model, optimizer, scheduler, loader, held_out, checkpoints, state,
@@ -127,10 +130,10 @@ def init_distributed(*, device: str, dist: DistConfig, parallel: ParallelConfig,
     backend = resolve_backend(dist.backend, on, cpu_collectives=parallel.cpu_offload)
     if on.type != "cpu":
         torch.accelerator.set_device_index(on.index)
-    strategy_class(parallel).before_process_group()
-    init_process_group(rdzv, on, backend, dist.init_method, dist.init_timeout_s)
     degrees = degrees_of(parallel, world_size=rdzv.world_size, ranks_per_node=rdzv.local_world_size)
     degrees.check()  # preflight has (a probe or a test may come here without it)
+    strategy_class(parallel, degrees).before_process_group()
+    init_process_group(rdzv, on, backend, dist.init_method, dist.init_timeout_s)
     mesh = build_mesh(on.type, degrees)
     experts = expert_mesh(mesh, degrees)
     torch.manual_seed(seed)
@@ -140,15 +143,18 @@ def init_distributed(*, device: str, dist: DistConfig, parallel: ParallelConfig,
 
 def build_model_meta(
     *, spec: ModelSpec, model: ModelConfig, finetune: FinetuneConfig, parallel: ParallelConfig, env: DistEnv,
-    strategy: Strategy, init_from: str, seed: int, init_weights: bool,
+    strategy: Strategy, init_from: str, seed: int, init_weights: bool, loss_chunk: int = 0,
 ) -> nn.Module:  # fmt: skip
-    """Build on the meta device (with LoRA's adapters for finetune.method=lora), parallelize, materialise
-    this rank's shards, set the weights (unless a checkpoint will: `init_weights`=False), wrap."""
+    """Build on the meta device (with LoRA's adapters for finetune.method=lora, and an output layer that computes
+    the loss in chunks of `loss_chunk` positions unless 0), parallelize, materialise this rank's shards, set the
+    weights (unless a checkpoint will: `init_weights`=False), wrap."""
     with torch.device("meta"):
         module = spec.build(model)
     apply_lora(module, finetune=finetune, layout=spec.lora, frozen_dtype=DTYPES[parallel.mixed_precision])
+    apply_chunked_loss(module, loss_chunk)  # before parallelize: tensor parallelism and FSDP keep its class
     parallelize(module, parallel=parallel, mesh=env.mesh, tp_plan=spec.tensor_parallel_plan(model),
-                cp_plan=spec.cp_plan, adapter_rank=lora_rank(finetune), expert_mesh=env.expert_mesh)  # fmt: skip
+                cp_plan=spec.cp_plan, adapter_rank=lora_rank(finetune), expert_mesh=env.expert_mesh,
+                one_rank=shards_nothing(env.degrees, parallel))  # fmt: skip
     # Allocates only this rank's shards (on the host with CPU offload); the contents are garbage.
     module.to_empty(device=env.device)
     module.tie_weights()
@@ -162,7 +168,8 @@ def build_model_meta(
     n_trained = sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
     logger.info(
         "model %s: %.2fM parameters, %.2fM trained (finetune %s), sharding %s",
-        model.preset, n_params / 1e6, n_trained / 1e6, finetune.method, parallel.sharding,
+        model.preset, n_params / 1e6, n_trained / 1e6, finetune.method,
+        "none (one rank)" if shards_nothing(env.degrees, parallel) else parallel.sharding,
     )  # fmt: skip
     return wrapped
 

@@ -1,8 +1,9 @@
-"""The data-parallel strategy: FSDP2 (full, shard_grad_op, hybrid) or DDP (no_shard, optionally with ZeRO-1).
+"""The data-parallel strategy: FSDP2 (full, shard_grad_op, hybrid), DDP (no_shard, optionally with ZeRO-1), or
+none at all where one rank has nothing to shard (OneRank).
 
-build_strategy chooses one from the config, once; the run then asks it, instead of asking which
-mode it is in: how to wrap the model, how to load rank 0's weights, how to skip gradient sync
-while accumulating, which optimizer to build, what goes into a checkpoint, and how the ranks stay
+build_strategy chooses one from the config and the world size, once; the run then asks it, instead of
+asking which mode it is in: how to wrap the model, how to load rank 0's weights, how to skip gradient
+sync while accumulating, which optimizer to build, what goes into a checkpoint, and how the ranks stay
 in step when their data runs out unevenly (Pace; DDP's Join). parallelize.py shards the model
 (FSDP) before the strategy sees it; DDP wraps it here.
 """
@@ -31,7 +32,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .config import DataConfig, ParallelConfig
 from .data import Loader, agree_on_steps
-from .distributed import any_rank, batch_group, mean_across_ranks
+from .distributed import Degrees, any_rank, batch_group, mean_across_ranks
 from .parallelize import DTYPES
 
 if TYPE_CHECKING:  # imported where ZeroDDP builds one: torch.distributed.optim scripts its optimizers on import
@@ -164,8 +165,12 @@ class Strategy(ABC):
         return nullcontext()
 
     def build_optimizer(self, param_groups: list[dict], **hyper) -> torch.optim.Optimizer:
-        """AdamW over the parameters this rank updates."""
-        return torch.optim.AdamW(param_groups, **hyper)
+        """AdamW over the parameters this rank updates, fused where they allow (adamw_kernel)."""
+        return torch.optim.AdamW(param_groups, **adamw_kernel(param_groups), **hyper)
+
+    def local_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """The torch optimizer that updates this rank's parameters (ZeRO's wraps one)."""
+        return optimizer
 
     def state_dict(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, saved_optim_keys: set[str] | None = None
@@ -240,28 +245,48 @@ class FSDP(Strategy):
 
 
 @dataclass(frozen=True)
-class DDP(Strategy):
-    """no_shard: every rank holds everything; gradients are all-reduced in buckets."""
+class OneRank(Strategy):
+    """One rank with nothing to shard (shards_nothing): the model as it is, no wrapper, no collective.
+
+    FSDP on one rank gathers and reduces nothing, yet every step pays for its hooks, its DTensor
+    dispatch (an op on a parameter runs as the DTensor op and as its local one) and its weight casts;
+    torchtitan applies none on one GPU either. Low precision is torch.autocast over fp32 master
+    weights: matmuls in the compute dtype, norms, softmax and the residual stream in fp32 (FSDP's
+    MixedPrecisionPolicy computes everything in it). The state dict holds plain tensors, which DCP
+    reshards into FSDP's DTensors at any world size, and back.
+    """
 
     device: torch.device
     autocast_dtype: torch.dtype | None
-    """DDP computes in low precision under autocast (FSDP casts through its MixedPrecisionPolicy)."""
+    """Compute dtype under autocast; None: fp32, no autocast."""
 
     shards_parameters: ClassVar[bool] = False
 
     def apply_weights_from_rank0(self, model: nn.Module, full_state: FullState, *, strict: bool = True) -> None:
         if dist.get_rank() == 0:
-            # Not yet wrapped in DDP: its constructor broadcasts rank 0's parameters and buffers.
+            # DDP (below) is not yet wrapped: its constructor broadcasts rank 0's parameters and buffers.
             model.load_state_dict(full_state(), strict=strict)
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        return model
+
+    def gradient_sync(self, model: nn.Module, enabled: bool) -> AbstractContextManager:
+        return nullcontext()  # nothing to synchronise
+
+    def autocast(self) -> AbstractContextManager:
+        return torch.autocast(self.device.type, self.autocast_dtype) if self.autocast_dtype else nullcontext()
+
+
+@dataclass(frozen=True)
+class DDP(OneRank):
+    """no_shard: one rank's training on every rank, each holding everything; gradients are all-reduced in
+    buckets (DistributedDataParallel), and low precision is autocast's, as on one rank."""
 
     def wrap(self, model: nn.Module) -> DistributedDataParallel:
         return DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type != "cpu" else None)
 
     def gradient_sync(self, model: nn.Module, enabled: bool) -> AbstractContextManager:
         return nullcontext() if enabled else model.no_sync()
-
-    def autocast(self) -> AbstractContextManager:
-        return torch.autocast(self.device.type, self.autocast_dtype) if self.autocast_dtype else nullcontext()
 
     def pace(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, loader: Loader, *, data: DataConfig, steps: int,
@@ -302,7 +327,10 @@ class ZeroDDP(DDP):
     def build_optimizer(self, param_groups: list[dict], **hyper) -> torch.optim.Optimizer:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        return ZeroRedundancyOptimizer(param_groups, torch.optim.AdamW, **hyper)
+        return ZeroRedundancyOptimizer(param_groups, torch.optim.AdamW, **adamw_kernel(param_groups), **hyper)
+
+    def local_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        return optimizer.optim
 
     def state_dict(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, saved_optim_keys: set[str] | None = None
@@ -319,20 +347,42 @@ class ZeroDDP(DDP):
         return [model, optimizer]  # DDP's gradient all-reduce, then ZeRO's parameter broadcast
 
 
-def strategy_class(parallel: ParallelConfig) -> type[Strategy]:
-    """The strategy parallel.sharding names: FSDP, or DDP (with ZeRO-1 if parallel.zero_optimizer)."""
+def shards_nothing(degrees: Degrees, parallel: ParallelConfig) -> bool:
+    """One rank with nothing to shard: no data-parallel peer, no tensor, context or expert parallelism (none can
+    exceed the world size), and no CPU offload, which needs FSDP even on one rank (it keeps the weights on the
+    host). Such a run trains the model as it is (OneRank), whatever parallel.sharding says. The one place that
+    decides it: the process group's start (run.init_distributed) and the strategy (build_strategy) ask here."""
+    return degrees.world_size == 1 and not parallel.cpu_offload
+
+
+def strategy_class(parallel: ParallelConfig, degrees: Degrees) -> type[Strategy]:
+    """The strategy for the job's `degrees`: OneRank where they shard nothing, else the one parallel.sharding
+    names: FSDP, or DDP (with ZeRO-1 if parallel.zero_optimizer)."""
+    if shards_nothing(degrees, parallel):
+        return OneRank
     if parallel.sharding != "no_shard":
         return FSDP
     return ZeroDDP if parallel.zero_optimizer else DDP
 
 
-def build_strategy(parallel: ParallelConfig, mesh: DeviceMesh | None, device: torch.device) -> Strategy:
-    """strategy_class's strategy: FSDP over `mesh`, or DDP on `device`."""
-    chosen = strategy_class(parallel)
+def build_strategy(
+    parallel: ParallelConfig, mesh: DeviceMesh | None, device: torch.device, *, degrees: Degrees
+) -> Strategy:
+    """strategy_class's strategy: FSDP over `mesh`, or OneRank or DDP on `device`."""
+    chosen = strategy_class(parallel, degrees)
     if chosen is FSDP:
         return FSDP(mesh, hybrid=parallel.sharding == "hybrid")
     autocast_dtype = DTYPES[parallel.mixed_precision] if parallel.mixed_precision != "fp32" else None
     return chosen(device, autocast_dtype)
+
+
+def adamw_kernel(param_groups: list[dict]) -> dict[str, bool]:
+    """fused=True where every parameter is floating point on a device with fused AdamW kernels (CUDA, XPU, CPU;
+    FSDP's DTensors too, since torch 2.4): one kernel per device and dtype, which can skip a step on the device
+    (step.NonFinite) without the host reading the gradient norm; foreach=True otherwise."""
+    params = [p for group in param_groups for p in group["params"]]
+    fused = all(p.device.type in ("cuda", "xpu", "cpu") and p.is_floating_point() for p in params)
+    return {"fused": True} if fused else {"foreach": True}
 
 
 def zero_state_dict(model: nn.Module, optimizer: ZeroRedundancyOptimizer, saved_optim_keys: set[str] | None) -> dict:

@@ -117,9 +117,9 @@ def train_loop(run: Run, start: int) -> Outcome:
             result = train_step(run.model, run.optimizer, run.scheduler, batches, run.step_context)
             pace.took(step)
             if metrics.should_log(step):
-                metrics.log(
-                    step, mean_across_ranks(result.loss, env.device), result.grad_norm, result.lr, result.metrics
-                )
+                # The step's figures stay on the device until here: the host reads them once an interval.
+                loss, grad_norm = mean_across_ranks(result.loss, env.device), result.grad_norm.item()
+                metrics.log(step, loss, grad_norm, result.lr, result.metrics)
             metrics.after_step(step)
             if step == start + 1:
                 set_collective_timeout(cfg.dist.train_timeout_s)
@@ -128,7 +128,7 @@ def train_loop(run: Run, start: int) -> Outcome:
             if pace.together:  # a rank that has joined could take part in neither
                 validate_and_save(run, metrics, step, last=pace.last, final=job_done or step == pace.last)
             if job_done:
-                why = "a preemption signal" if preempted else "train.stop_after_steps"
+                why = "preemption signal" if preempted else "train.stop_after_steps"
                 logger.info("stopping after step %d (%s); resume with the same command", step, why)
                 break
     if not pace.together:  # every rank is back in step: where the longest-running rank stopped

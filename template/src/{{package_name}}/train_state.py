@@ -52,6 +52,12 @@ class TrainState(Stateful):
 
     def load_state_dict(self, state: dict) -> None:
         self.strategy.load_state_dict(self.model, self.optimizer, state["model"], state["optim"])
+        # Which AdamW kernel runs (fused, foreach) is this run's choice (strategy.adamw_kernel), not a hyperparameter
+        # to restore: a checkpoint saved with another (an earlier release's default) must not bring it back.
+        local = self.strategy.local_optimizer(self.optimizer)
+        kernel = {key: local.defaults[key] for key in ("fused", "foreach") if key in local.defaults}
+        for group in [*self.optimizer.param_groups, *local.param_groups]:
+            group.update(kernel)
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = int(state["step"])
         # Checkpoints saved before the data order was recorded read the order UNRECORDED_ORDER names.

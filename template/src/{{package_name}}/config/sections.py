@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from ..presets import DEBUG_RUN, EXPORT_FILE_GB, LLAMA_PRESETS, LORA
+from ..presets import DEBUG_RUN, EXPORT_FILE_GB, LLAMA_PRESETS, LORA, LOSS_CHUNK
 from .usage import failed
 
 # The defaults are the debug run's (configs/debug.toml), from presets.py.
@@ -44,6 +44,8 @@ class TrainConfig:
     """AdamW betas."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping (the norm is still logged)."""
+    loss_chunk: int = LOSS_CHUNK
+    """The loss in chunks of this many positions where a rank's micro-batch has more (loss.py); 0: never."""
     seed: int = 0
     """Seed for weight init and data order; the same seed gives the same run at any world size."""
 
@@ -55,6 +57,7 @@ class TrainConfig:
                 f"train.warmup_steps={self.warmup_steps} must be in [0, train.steps)",
             ),
             (self.lr > 0, f"train.lr={self.lr} must be positive"),
+            (self.loss_chunk >= 0, f"train.loss_chunk={self.loss_chunk} must be 0 (whole logits) or positive"),
             (self.micro_batch_size > 0, f"train.micro_batch_size={self.micro_batch_size} must be positive"),
             (
                 self.micro_batch_size > 0 and self.global_batch_size % self.micro_batch_size == 0,
@@ -102,6 +105,8 @@ class ParallelConfig:
     """no_shard only: split AdamW's state across ranks with ZeroRedundancyOptimizer (ZeRO-1)."""
     activation_checkpointing: Literal["none", "selective", "full"] = "none"
     """Recompute activations in backward: none, selective (keep matmul/attention outputs), full (keep block inputs)."""
+    activation_offload: bool = False
+    """Park the block inputs that checkpointing keeps in pinned host memory until backward (activation_offload.py)."""
     grad_sync_every_microbatch: bool = False
     """Reduce gradients after every micro-batch (more traffic, but they stay sharded) instead of only the last."""
     compile: bool = False
@@ -133,6 +138,11 @@ class ParallelConfig:
                 not (self.zero_optimizer and sharded),
                 f"parallel.zero_optimizer needs parallel.sharding=no_shard: sharding={self.sharding} already splits "
                 "the optimizer state",
+            ),
+            (
+                not (self.activation_offload and self.activation_checkpointing == "none"),
+                "parallel.activation_offload parks the block inputs activation checkpointing keeps, and "
+                "parallel.activation_checkpointing=none keeps none: set it to full or selective",
             ),
             (self.prefetch_blocks >= 0, f"parallel.prefetch_blocks={self.prefetch_blocks} must be 0 or more"),
             (

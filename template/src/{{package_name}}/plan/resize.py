@@ -29,17 +29,17 @@ from . import (
     recommend_tensor_parallel,
 )
 
-# copier.yml's hardware questions, in its order.
+# The hardware questions of the template's copier.yml, in its order.
 HARDWARE_QUESTIONS = ("accelerator", "gpu_arch", "gpus_per_node", "gpu_memory_gb", "host_memory_gb", "intra_node_link")
 
 
 def default_precision(*, hardware: HardwareConfig) -> str:
-    """copier.yml's default mixed_precision: no bf16 before Ampere, fp32 on CPU."""
+    """The default mixed_precision of the template's copier.yml: no bf16 before Ampere, fp32 on CPU."""
     return DEFAULT_PRECISION[hardware.gpu_arch if hardware.accelerator == "cuda" else hardware.accelerator]
 
 
 def asked(question: str, *, hardware: HardwareConfig) -> bool:
-    """Whether copier.yml asks `question` on this hardware (its `when:` conditions)."""
+    """Whether the template's copier.yml asks `question` on this hardware (its `when:` conditions)."""
     return {
         "gpu_arch": hardware.accelerator == "cuda",
         "gpu_memory_gb": hardware.accelerator != "cpu",
@@ -143,8 +143,9 @@ def resize(
             answers |= {"expert_parallel": degree} if degree != parallel.expert_parallel else {}
     if live.accelerator != "cpu" and cheapest(**fixed, **with_answers(**replan, answers=answers)) is None:
         answers |= fitting_batch(**fixed, **with_answers(**replan, answers=answers))
-    ac, sharding, offload = recommend(**fixed, **with_answers(**replan, answers=answers))
-    return {**answers, "sharding": sharding, "activation_checkpointing": ac, "cpu_offload": offload}
+    choice = recommend(**fixed, **with_answers(**replan, answers=answers))  # copier decides activation offload itself
+    return {**answers, "sharding": choice.sharding, "activation_checkpointing": choice.ac,
+            "cpu_offload": choice.cpu_offload}  # fmt: skip
 
 
 def fitting_batch(

@@ -9,7 +9,7 @@ Rotary embeddings use the rotate-half layout of Hugging Face's LlamaForCausalLM,
 weights need renaming only, no permutation (hf.py).
 
 Its hyperparameters are `LlamaConfig`, the `[model]` table of a config with `name = "llama"`;
-`BlockConfig` holds the blocks' part, which the ViT (models/vit/) builds on too.
+`BlockConfig` holds the blocks' part, which the ViT builds on too.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The decoder's sizes and cost terms, which the planner (plan/) and the MFU figure (metrics.py) read.
 
 The activation formula of the blocks in model.py is written once, in `DecoderShape.activation_bytes`'s
-docstring; plan/, hooks/plan.jinja and PLAN.md point here. The hf_causal_lm model, the ViT and the
+docstring; plan/, the template's hooks/plan.jinja and PLAN.md point here. The hf_causal_lm model, the ViT and the
 custom stub are built of these blocks, so they count with these terms (or, like hf_causal_lm, adjust them).
 """
 

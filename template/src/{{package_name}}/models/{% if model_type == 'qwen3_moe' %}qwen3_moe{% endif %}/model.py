@@ -328,7 +328,7 @@ class Qwen3Moe(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator | None = None) -> None:
-        """GPT-2 style, as models/llama.py: N(0, 0.02), the projections into the residual stream (wo, and every
+        """GPT-2 style, as models/llama/model.py: N(0, 0.02), the projections into the residual stream (wo, and every
         SwiGLU's w2, the experts' too) scaled by 1/sqrt(2 n_layers); norms to 1, routing biases to 0."""
         std, residual_std = 0.02, 0.02 / math.sqrt(2 * self.cfg.n_layers)
         for name, param in self.named_parameters():

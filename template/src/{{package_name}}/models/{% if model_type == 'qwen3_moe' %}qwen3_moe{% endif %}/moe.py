@@ -155,6 +155,11 @@ class GroupedExperts(nn.Module):
         w1, w2, w3 = self.w1, self.w2, self.w3
         if self.split_by_expert:  # this rank's experts
             w1, w2, w3 = w1.to_local(), w2.to_local(), w3.to_local()
+        if torch.is_autocast_enabled(rows.device.type):
+            # Autocast casts mm's operands, not grouped_mm's: cast them as it would, or fp32 weights (one rank trains
+            # without FSDP's cast, under autocast) meet bf16 rows, or fp32 rows from the norm reach a compile.
+            dtype = torch.get_autocast_dtype(rows.device.type)
+            rows, w1, w2, w3 = rows.to(dtype), w1.to(dtype), w2.to(dtype), w3.to(dtype)
         gate = F.grouped_mm(rows, w1.transpose(-2, -1), offs=offsets)
         up = F.grouped_mm(rows, w3.transpose(-2, -1), offs=offsets)
         return F.grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs=offsets)
