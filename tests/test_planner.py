@@ -8,6 +8,7 @@ import functools
 import importlib
 import itertools
 import json
+import math
 import random
 import re
 import sys
@@ -210,7 +211,7 @@ def test_each_planner_macro_is_a_function_of_the_render_by_the_same_name(plan, m
     where = [plan, importlib.import_module("planpkg.distributed"), importlib.import_module("planpkg.models"), shape]
     named = {"moe_activation_bytes": shape.MoeShape.activation_bytes}
     missing = [name for name in macros if name not in named and not any(hasattr(module, name) for module in where)]
-    assert not missing and len(macros) == 28, (missing, macros)
+    assert not missing and len(macros) == 31, (missing, macros)
     answers = (TEMPLATE / "hooks" / "answers.jinja").read_text()
     assert "macro largest_fitting_micro_batch(" in answers and hasattr(moepkg.choice, "largest_fitting_micro_batch")
     for name in macros:
@@ -541,13 +542,15 @@ def test_transformers_tensor_parallel_plans_are_planned_alike_at_question_and_ru
     grid = itertools.product(["8b", "70b"], [(8, 1), (8, 4)], [80, 180], ["nvlink"], ["infiniband", "ethernet"])
     assert tp_recommendations(plan, grid, "hf_causal_lm", name="hf_causal_lm") == {1, 2, 8}
     # Whole activations cost memory. Llama 3.1 70B on 4 nodes of 8 x 80 GiB with the logits whole: the built-in
-    # model's pairs fit without CPU offload, so it plans them; transformers' pairs would need offload, so FSDP alone.
+    # model's pairs take their two sequences without CPU offload; transformers' pairs take only one (two would need
+    # offload, and a larger micro-batch is no reason to offload), so its groups of 8 send the fewest bytes a token.
     llama, hf = (hardware_config("70b", "bf16", 8, 4, 80, "nvlink", "infiniband", "hopper", name=name)
                  for name in ("llama", "hf_causal_lm"))  # fmt: skip
     llama.train.loss_chunk = hf.train.loss_chunk = 0
     ours, theirs = estimate(plan, llama, 2, 1), estimate(plan, hf, 2, 1)
-    assert (ours.cpu_offload, theirs.cpu_offload) == (False, True), (ours, theirs)
-    assert (best_degree(plan, llama, 1), best_degree(plan, hf, 1)) == (2, 1)
+    assert (ours.cpu_offload, theirs.cpu_offload) == (False, False), (ours, theirs)
+    assert (ours.micro_batch_size, theirs.micro_batch_size) == (2, 1), (ours, theirs)
+    assert (best_degree(plan, llama, 1), best_degree(plan, hf, 1)) == (2, 8)
 
 
 def test_context_parallel_splits_the_activations_of_llama_8b_at_131072_tokens_by_hand(plan):
@@ -662,6 +665,93 @@ def test_question_time_and_run_time_pick_the_same_context_parallel_degree(plan):
     # A degree must split the node, the heads (125m has 12) and the sequence into 2 x degree chunks.
     assert jinja("context_parallel_degrees", "125m", 2048, 8, 1, "cuda", "llama") == "1,2,4"
     assert jinja("context_parallel_degrees", "8b", 8200, 8, 1, "cuda", "llama") == "1,2,4"
+
+
+def long_context_config(plan, preset: str, gpus: int, nodes: int, memory: int, tp: int = 1, cp: int = 1, seq: int = 0):
+    """hardware_config at one sequence per micro-batch and step (no accumulation: the question-time plan's), split
+    over tp x cp."""
+    cfg = hardware_config(preset, "bf16", gpus, nodes, memory, "nvlink", "infiniband", "hopper")
+    cfg.parallel.tensor_parallel, cfg.parallel.context_parallel = tp, cp
+    cfg.train.micro_batch_size, cfg.train.seq_len = 1, seq or cfg.train.seq_len
+    cfg.train.global_batch_size = plan.planned_degrees(parallel=cfg.parallel, hardware=cfg.hardware).dp
+    return cfg
+
+
+def test_question_time_and_run_time_find_the_same_longest_sequence(plan):
+    # seq_len_multiple and longest_fitting_seq_len: plan.jinja's and plan/choice.py's. The length is the longest
+    # multiple of the split's step that fits: the next one does not (a binary search, not the preset's halvings).
+    found = set()
+    for preset, (gpus, memory), (tp, cp) in itertools.product(
+        ["1b", "8b", "70b"], [(8, 80), (8, 24), (1, 80), (1, 8)], [(1, 1), (2, 1), (1, 8), (2, 4)]
+    ):
+        if tp * cp > gpus:
+            continue
+        cfg = long_context_config(plan, preset, gpus, 1, memory, tp, cp)
+        unit = plan.seq_len_multiple(model=cfg.model, parallel=cfg.parallel)
+        assert int(jinja("seq_len_multiple", tp, cp, True)) == unit == (cp * max(tp, 2) if cp > 1 else tp)
+        q = int(jinja("longest_fitting_seq_len", preset, 131072, 1, "bf16", gpus, 1, memory, "infiniband", "cuda",
+                      "full", tp, 0, True, cp))  # fmt: skip
+        r = plan.longest_fitting_seq_len(**subs(cfg), longest=131072)
+        assert q == r, (preset, gpus, memory, tp, cp)
+        step = math.lcm(unit, 128)
+        assert r % step == 0
+
+        def fits(seq, cfg=cfg):
+            return plan.cheapest(**subs(cfg) | {"train": replace(cfg.train, seq_len=seq)}) is not None
+
+        assert (r == 0 or fits(r)) and (r + step > 131072 or not fits(r + step)), (preset, gpus, memory, tp, cp, r)
+        found.add("whole" if r == 131072 else "none" if r == 0 else "between")
+        if r and r < 131072 and r & (r - 1):  # not a power of two: longer than the halving the planner offered before
+            found.add("not a halving")
+    assert found == {"whole", "none", "between", "not a halving"}, found
+    # transformers' plans split no sequence: any length with tensor parallelism; the built-in decoder's, a multiple.
+    assert jinja("seq_len_multiple", 4, 1, False) == "1" and jinja("seq_len_multiple", 4, 1, True) == "4"
+
+
+def test_tensor_parallelism_is_planned_with_the_context_parallelism_a_long_sequence_needs(plan):
+    # tensor_parallel_estimates and recommend_tensor_parallel: where no degree fits the sequence without context
+    # parallelism, each degree is estimated with the smallest context-parallel degree that fits it, on both sides.
+    picked = {}
+    for preset, seq, nodes in [("8b", 131072, 1), ("8b", 131064, 1), ("70b", 131072, 8), ("8b", 32768, 2)]:
+        cfg = long_context_config(plan, preset, 8, nodes, 80, seq=seq)
+        base = PRESETS[preset]["micro_batch_size"]
+        r_all = plan.tensor_parallel_estimates(**subs(cfg), base_micro_batch=base)
+        q_all = json.loads(jinja("tensor_parallel_estimates", preset, seq, base, "bf16", 8, nodes, 80, "nvlink",
+                                 "infiniband", "cuda", "hopper", "llama"))  # fmt: skip
+        assert sorted(map(int, q_all)) == sorted(r_all), (preset, seq)
+        for degree, r in r_all.items():
+            q = q_all[str(degree)]
+            assert bool(q) == (r is not None), (preset, seq, degree)
+            if r is not None:
+                assert (q["micro_batch_size"], q["ac"], q["sharding"], q["offload"]) == (
+                    r.micro_batch_size, r.ac, r.sharding, r.cpu_offload)  # fmt: skip
+                assert q["seconds_per_token"] == pytest.approx(r.seconds_per_token, rel=1e-12)
+        q = int(jinja("recommend_tensor_parallel", preset, seq, base, "bf16", 8, nodes, 80, "nvlink", "infiniband",
+                      "cuda", "hopper", "llama"))  # fmt: skip
+        assert q == best_degree(plan, cfg, base)
+        picked[(preset, seq, nodes)] = (q, {int(d): e.get("cp") for d, e in q_all.items() if e})
+    # 131,072 tokens of 8b with the loss in chunks: FSDP alone over pairs of context-parallel GPUs (no offload, the
+    # all-to-alls priced), before any tensor-parallel degree (which fits without it, at the cost of its collectives).
+    assert picked[("8b", 131072, 1)] == (1, {1: 2, 2: 1, 4: 1, 8: 1})
+    # 131,064 tokens: 2 x 2 divides them too (2 x 8 does not: context parallelism 2 is the smallest that fits).
+    assert picked[("8b", 131064, 1)] == (1, {1: 2, 2: 1, 4: 1, 8: 1})
+    # 70b at 131,072 tokens on 8 nodes: every degree with the context parallelism that fills the node's 8 GPUs.
+    assert picked[("70b", 131072, 8)] == (1, {1: 8, 2: 4, 4: 2, 8: 1})
+    # 8b at 32,768 tokens on 2 nodes: FSDP alone fits without it, so no degree is planned with it.
+    assert picked[("8b", 32768, 2)] == (1, {1: 1, 2: 1, 4: 1, 8: 1})
+
+
+def test_a_run_time_refusal_offers_the_longest_sequence_that_fits(plan):
+    # Launched on 10 GiB devices, 8b planned at 131,072 tokens over context parallelism 8: no smaller micro-batch, no
+    # larger degree and neither offload fit it (with the loss in chunks, 40 GiB take it with full recomputation), so
+    # the longest sequence that fits (a multiple of 16 and 128), not a halving of it.
+    cfg = long_context_config(plan, "8b", 8, 1, 80, 1, 8, 131072)
+    fix = plan.check.device_fix(**subs(cfg), memory_gb=10)
+    named = dict(re.findall(r"(train\.seq_len|parallel\.\w+)=(\w+)", fix))
+    seq = int(named["train.seq_len"])
+    live = replace(cfg.hardware, gpu_memory_gb=10)
+    assert seq == plan.longest_fitting_seq_len(**subs(cfg) | {"hardware": live}, longest=131072), fix
+    assert seq % 128 == 0 and 65536 < seq < 131072 and seq & (seq - 1), fix  # past the halving, 65,536
 
 
 def test_host_memory_of_70b_on_one_24_gib_gpu_by_hand(plan):
@@ -959,26 +1049,27 @@ def test_a_refused_plan_choice_suggests_a_plan_that_fits_the_answers_given_and_i
     # 49,152 tokens: at the default length (8,192) the loss in chunks leaves room to spare without offload, and at
     # 32,768 full recomputation with the blocks' inputs parked in host memory does.
     a = {**VOLTA, "seq_len": 49152}
-    # In a terminal the later questions come after: the cheapest plan with full recomputation is the fix.
-    assert ask("ac_choice('selective')", a).startswith("choose activation_checkpointing=full: at best ")
+    # In a terminal the later questions come after: the cheapest plan with full recomputation is the fix (the
+    # refused question's own answer bare: the line of a disabled choice has no room for its name).
+    assert ask("ac_choice('selective')", a).startswith("choose full: at best ")
     # Given DDP without the ZeRO optimizer and without offload on the command line, full recomputation alone
     # fits nothing (before: "choose activation_checkpointing=full: at best 42.7 GiB per GPU", selective's best
-    # with any sharding): the fix names the answers it changes, and its figure is its own plan's.
+    # with any sharding): the fix names the answers it changes (so many that its figure has no room left).
     given = {"sharding": "no_shard", "cpu_offload": "false", "zero_optimizer": "false"}
     refusal = ask("ac_choice('selective')", a, given)
-    fix = "choose activation_checkpointing=full, sharding=full and cpu_offload=true: at best "
-    assert refusal.startswith(fix) and refusal.endswith(" GiB per GPU, 28.8 usable"), refusal
-    figure = float(refusal[len(fix) :].split()[0])
+    assert refusal == "choose full, sharding=full and cpu_offload=true", refusal
+    # Following half of the fix, the next refusal asks for the rest with the figure of the plan it suggests (before:
+    # "choose sharding=full: at best 69.8", DDP's with the ZeRO optimizer the user had turned off).
+    half = ask("sharding_choice('no_shard')", {**a, "activation_checkpointing": "full"}, given)
+    fix = "choose full and cpu_offload=true: at best "
+    assert half.startswith(fix) and half.endswith(" GiB/GPU"), half
+    figure = float(half[len(fix) :].split()[0])
     m, kept = (plan.memory_plan(shape(plan, "8b"), seq_len=a["seq_len"], micro_batch_size=1, precision="fp16",
                                 ac="full", sharding="full", cpu_offload=True, gpus_per_node=8, num_nodes=1,
                                 activation_offload=parked) for parked in (True, False))  # fmt: skip
     assert figure == round(m.total / GIB, 1) and m.fits(32) and not kept.fits(32)  # its blocks' inputs parked too
-    # Following half of the fix, the next refusal asks for the rest with the same figure (before: "choose
-    # sharding=full: at best 69.8", DDP's with the ZeRO optimizer the user had turned off).
-    half = ask("sharding_choice('no_shard')", {**a, "activation_checkpointing": "full"}, given)
-    assert half == f"choose sharding=full and cpu_offload=true: at best {figure} GiB per GPU, 28.8 usable"
     assert ask("offload_choice(false)", {**a, "activation_checkpointing": "full", "sharding": "full"}).startswith(
-        f"choose cpu_offload=true ({figure} GiB): this plan needs "
+        f"choose cpu_offload=true ({figure} GiB): this needs "
     )
 
 
@@ -1172,9 +1263,9 @@ def test_gpu_generations_agree_with_the_question_and_the_probe():
 # degree, activation checkpointing, sharding, CPU offload, activation offload) with its peak per GPU in GiB.
 LONG_CONTEXT = {
     "8b-1048576-one-node": ({"model_size": "8b", "seq_len": 1048576}, (8, "full", "shard_grad_op", False, True), 60.3),
-    "8b-262144-one-node": ({"model_size": "8b", "seq_len": 262144}, (2, "full", "shard_grad_op", False, True), 60.3),
+    "8b-262144-one-node": ({"model_size": "8b", "seq_len": 262144}, (4, "full", "shard_grad_op", False, False), 60.1),
     "70b-131072-8-nodes": ({"model_size": "70b", "num_nodes": 8, "inter_node_link": "infiniband", "seq_len": 131072},
-                           (2, "full", "full", False, True), 36.6),
+                           (8, "full", "full", False, False), 54.7),
     "1b-131072-one-gpu": ({"model_size": "1b", "gpus_per_node": 1, "seq_len": 131072},
                           (1, "full", "no_shard", False, False), 64.6),
 }  # fmt: skip
