@@ -51,6 +51,8 @@ CHANGE = {
     ),
     "seq_len": ({}, 2048),
     "context_parallel": ({}, 2),
+    # Asked only past the preset's context (1b: 131,072 tokens), where yarn is the default.
+    "rope_scaling": ({"seq_len": 262144, "context_parallel": 8, "activation_checkpointing": "full"}, "linear"),
     "micro_batch_size": ({}, 1),
     "mixed_precision": ({}, "fp16"),
     "activation_checkpointing": ({}, "full"),
