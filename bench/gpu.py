@@ -30,6 +30,9 @@ keys, comma-separated, or `default` (the first eight), `rest` or `all`):
     ac-selective, ac-full the trainer, eager, with selective and full activation checkpointing
     long-32k, -64k, -131k one sequence of 32,768, 65,536, 131,072 tokens a step, eager, full recomputation, split
                           over every GPU of the machine by context parallelism (on one GPU: none)
+    offload-kept,         one sequence of 131,072 tokens (the 1b preset's longest) on one GPU, eager, full
+      offload-parked      recomputation, the blocks' inputs kept on the GPU, then parked in host memory
+                          (parallel.activation_offload): its tokens/s over the kept row's, and both peaks
     transformers-compiled the transformers loop, torch.compile(model) (over 100 s of compile on an H200)
 
 Each row gives the median step time over the steps after the first five, tokens/s per GPU, its ratio to the row it
@@ -106,6 +109,10 @@ class Row:
     float8: str = "none"
     seq_len: int = 0
     """A long sequence split over the machine's GPUs by context parallelism (0: the preset's, on one GPU)."""
+    split: bool = True
+    """seq_len's sequence split over every GPU; False: one GPU holds it whole."""
+    offload: bool = False
+    """parallel.activation_offload: the blocks' inputs wait for backward in host memory."""
     moe: bool = False
     """Qwen3-30B-A3B's blocks from the MoE render, rather than the 1b preset."""
     model: str = "render"
@@ -139,6 +146,9 @@ RUNS = [
                35 + seq // 2048, ac="full", seq_len=seq) for k, seq in LONG.items()),
     _loop("transformers-compiled", "transformers' LlamaForCausalLM (sdpa), torch.compile(model)", 130, compile=True,
           model="transformers", reference="loop-compiled"),
+    *(_trainer(f"offload-{state}", f"bf16, eager, AC full, 131,072 tokens on one GPU, block inputs {state}",
+               35 + LONG["131k"] // 2048, ac="full", seq_len=LONG["131k"], split=False, offload=state == "parked",
+               reference="offload-kept" if state == "parked" else "") for state in ("kept", "parked")),
 ]
 # fmt: on
 BY_KEY = {row.key: row for row in RUNS}
@@ -149,12 +159,13 @@ EXPECTED_S = {group: sum(BY_KEY[key].expected_s for key in keys) for group, keys
 DRY_RUN_SAME_AS = {BY_KEY[a]: BY_KEY[b] for a, b in [
     ("trainer-compiled", "float8-tensorwise"), ("loop-compiled", "loop"), ("float8-rowwise", "float8-tensorwise"),
     ("ac-selective", "trainer"), ("ac-full", "trainer"), ("long-64k", "long-32k"), ("long-131k", "long-32k"),
-    ("transformers-compiled", "transformers")]}  # fmt: skip
+    ("transformers-compiled", "transformers"), ("offload-kept", "trainer")]}  # fmt: skip
 """Rows that --dry-run lists as not run: each takes the code path of the row named here, on CPU, with another float8
 recipe (or none), sequence length or AC mode (which the generated tests run), or torch.compile(model) besides; a
 launch costs a CPU 5 to 13 s."""
 REFERENCES = {"loop": "plain loop, eager", "loop-compiled": "plain loop, compiled",
-              "trainer-compiled": "trainer, compiled bf16", "trainer": "trainer, AC none"}  # fmt: skip
+              "trainer-compiled": "trainer, compiled bf16", "trainer": "trainer, AC none",
+              "offload-kept": "block inputs kept"}  # fmt: skip
 
 
 class RowFailed(Exception):
@@ -218,18 +229,21 @@ def row_config(setup: Setup, row: Row) -> tuple[Path, str, int, list[str]]:
                  "--train.global_batch_size", batch, "--train.micro_batch_size", batch,
                  "--checkpoint.interval", "100000", "--checkpoint.export", "none", "--eval.interval", "0",
                  "--metrics.progress_bar", "False", "--metrics.backend", "none", "--parallel.compile", str(row.compile),
-                 "--parallel.activation_checkpointing", row.ac, "--parallel.float8", row.float8]  # fmt: skip
+                 "--parallel.activation_checkpointing", row.ac, "--parallel.float8", row.float8,
+                 "--parallel.activation_offload", str(row.offload)]  # fmt: skip
     if setup.gpu_memory_gb:
         overrides += ["--hardware.gpu_memory_gb", str(setup.gpu_memory_gb)]
     ranks = 1
-    if row.seq_len:  # one sequence a step, split over every GPU (2 CPU ranks with --dry-run)
+    if row.seq_len:  # one sequence a step, split over every GPU (2 CPU ranks with --dry-run), or on one
         import torch
 
-        ranks = 2 if setup.dry_run else torch.cuda.device_count()
+        ranks = (2 if setup.dry_run else torch.cuda.device_count()) if row.split else 1
         seq = 32 if setup.dry_run else row.seq_len
         overrides += ["--train.seq_len", str(seq), "--model.max_seq_len", str(max(seq, 128)),
                       "--train.micro_batch_size", "1", "--train.global_batch_size", "1",
                       "--parallel.context_parallel", str(ranks), "--hardware.gpus_per_node", str(ranks)]  # fmt: skip
+    if row.offload and setup.dry_run:
+        shape = [*shape, "--model.n_layers", "4"]  # TINY's 2 blocks are the 2 kept: 4 park 2
     return project, package, ranks, ["--config", str(project / "configs" / config), *overrides, *shape]
 
 
@@ -262,7 +276,7 @@ def run_trainer(setup: Setup, row: Row, run_dir: Path, timeout: float) -> dict:
     planned, cfg = planned_gib(package, config)
     peak = max(r["peak_mem_gib"] for r in records)
     return {
-        **({"context_parallel": float(cfg.parallel.context_parallel)} if row.seq_len else {}),
+        **({"context_parallel": float(cfg.parallel.context_parallel)} if row.seq_len and row.split else {}),
         "step_time_s": statistics.median(r["step_time_s"] for r in records),
         "tokens_per_s": statistics.median(r["tokens_per_s_per_device"] for r in records),
         # None where metrics.py knows no peak FLOP/s for this GPU (add it to PEAK_TFLOPS in hooks/presets.jinja).

@@ -1,10 +1,13 @@
-"""Drive `copier copy` the way a person does: in a pseudo-terminal 100 columns wide, reading each
-prompt and answering with keystrokes (arrow keys, Enter, typing). Copier validates typed answers
-and shows choices whose validator fails as disabled; these tests see exactly what a user sees.
+"""Drive `copier copy` the way a person does: in a pseudo-terminal of 80 x 24, reading each prompt
+and answering with keystrokes (arrow keys, Enter, typing). Copier validates typed answers and shows
+choices whose validator fails as disabled; these tests see exactly what a user sees.
 
 Copier's prompt library (questionary on prompt_toolkit) cuts a line at the terminal's edge instead
-of wrapping it, and shows a typed answer's refusal on one line; `shown_lines` lists every line the
-questions show for a set of answers, so a test can hold each to COLUMNS."""
+of wrapping it, and shows a typed answer's refusal on one line. It draws the last column apart (a
+return, then the cursor moved to it), so a line that reaches it cannot be told from one it cut:
+every line must leave it free (`fits`). A session records each line that reached it
+(`CopierSession.too_wide`), and `shown_lines` lists every line the questions show for a set of
+answers, so a test can hold each to the width."""
 
 from __future__ import annotations
 
@@ -26,13 +29,21 @@ ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b[()][A-Za-z0-9]|\x1b[=>]|\r")
 QMARK = "🎤"
 DOWN, UP, ENTER, CLEAR_LINE = "\x1b[B", "\x1b[A", "\r", "\x15"
 REDRAW = "\x0c"  # Ctrl-L: prompt_toolkit clears the screen and draws the prompt again
-COLUMNS = 100
-"""The terminal width the questions are written for: every help line, choice and refusal fits it."""
+COLUMNS, ROWS = 80, 24
+"""The terminal the questions are written for: every help line, choice and refusal fits its width."""
+LAST_COLUMN = re.compile(rf"[\r\n]\x1b\[{COLUMNS - 1}C")
+"""How prompt_toolkit draws a line that reaches the last column: a carriage return or newline, then the cursor
+moved to it."""
 
 
 def columns(line: str) -> int:
     """How many terminal columns `line` takes (an emoji such as the prompt's microphone takes two)."""
     return sum(2 if unicodedata.east_asian_width(ch) in "WF" else 1 for ch in line)
+
+
+def fits(line: str) -> bool:
+    """Whether `line` is shown whole in a COLUMNS-wide terminal: the last column stays free."""
+    return columns(line) < COLUMNS
 
 
 def choice_labels(name: str) -> dict:
@@ -106,9 +117,10 @@ class CopierSession:
         }
         args = ["-m", "compile_once", "copy", "--vcs-ref", "HEAD", *extra, str(TEMPLATE), str(dst)]
         self.child = pexpect.spawn(sys.executable, args,
-                                   env=env, encoding="utf-8", dimensions=(50, COLUMNS), timeout=120)  # fmt: skip
+                                   env=env, encoding="utf-8", dimensions=(ROWS, COLUMNS), timeout=120)  # fmt: skip
         self.prefixes = question_prefixes()
-        self.screen = ""  # everything printed so far, escape codes removed
+        self.raw = ""  # everything printed so far
+        self.screen = ""  # the same, escape codes removed
         self.asked: list[str] = []
         self.current: Prompt | None = None
 
@@ -121,9 +133,20 @@ class CopierSession:
                 break
             except pexpect.EOF:
                 break
+        self.raw += chunk
         text = ANSI.sub("", chunk)
         self.screen += text
         return text
+
+    def too_wide(self) -> list[str]:
+        """The lines the session drew to the terminal's last column (prompt_toolkit cuts longer ones there), with
+        what came before them; and the lines of the message printed after copying (which the terminal wraps) that
+        reach it, but for the one naming the destination."""
+        wide = [ANSI.sub("", self.raw[max(0, m.start() - 2000) : m.start()]).rsplit("\n", 1)[-1]
+                for m in LAST_COLUMN.finditer(self.raw)]  # fmt: skip
+        _, found, message = self.screen.partition("Your FSDP2 training repo")
+        lines = (found + message).split("\n") if found else []
+        return wide + [line for line in lines if not fits(line) and " cd /" not in line]
 
     def next_prompt(self) -> Prompt | None:
         """Wait for the next question (None once copier has exited) and parse what it shows."""

@@ -84,6 +84,8 @@ SMOKE_TESTS = [
     "test_torch_compat.py::test_no_private_torch_name_is_reached_at_import_time",
     "test_torch_compat.py::test_a_torch_without_private_names_imports_this_repo_and_trains",
     "test_paths.py::test_every_path_module_and_flag_named_exists",
+    "test_activation_offload.py::test_parked_inputs_give_the_losses_and_gradients_of_kept_ones_bit_for_bit[full]",
+    "test_activation_offload.py::test_the_host_holds_the_parked_inputs_and_the_device_the_rest_as_planned[full]",
 ]
 
 
@@ -108,6 +110,7 @@ FULL_TESTS = [
     "test_checkpoint.py::test_resume_names_what_it_skips_and_a_save_heals_the_damage",
     "test_errors.py::test_bad_input_is_reported_once_and_nothing_is_written",
     "test_uneven.py::test_min_stops_every_rank_at_the_shortest",
+    "test_activation_offload.py::test_with_parked_inputs_the_run_trains_to_the_same_losses_bit_for_bit[ws4-full]",
 ]
 ONCE_TESTS = [
     "test_fsdp_rules.py::test_entry_point_reports_the_failing_rank",

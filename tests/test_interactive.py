@@ -1,9 +1,9 @@
-"""The questions as a person answers them: `copier copy` in a pseudo-terminal.
+"""The questions as a person answers them: `copier copy` in a pseudo-terminal of 80 x 24.
 
 Copier checks a pick-from-list answer only through per-choice validators, shown as disabled
 choices; a question-level validator guards typed answers only. These sessions check that every
-refusal the template makes with `-d` holds here too, that no session crashes, and that the
-short path asks what it promises.
+refusal the template makes with `-d` holds here too, that no session crashes, that the
+short path asks what it promises, and that nothing any of them shows is cut at the terminal's edge.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import re
 import pytest
 import yaml
 from conftest import TEMPLATE, answers_of, misfit, render
-from terminal import COLUMNS, DOWN, UP, CopierSession, columns, shown_lines
+from terminal import COLUMNS, DOWN, UP, CopierSession, columns, fits, shown_lines
 
 # The questions a user who accepts the plan answers, per kind of machine.
 SHORT_PATH_CUDA = ["project_name", "accelerator", "gpu_arch", "gpus_per_node", "num_nodes", "gpu_memory_gb",
@@ -35,6 +35,8 @@ def session(tmp_path):
     yield start
     for s in sessions:
         s.child.close(force=True)
+    # Every line each session showed, the message after copying included, fits the 80-column terminal.
+    assert not [line for s in sessions for line in s.too_wide()], [line for s in sessions for line in s.too_wide()]
 
 
 def run_to(s: CopierSession, question: str, answers: dict) -> None:
@@ -97,7 +99,7 @@ def test_volta_then_fp32_then_enter_completes_with_a_plan_that_fits(session, tmp
     s.confirm(True)
     run_to(s, "mixed_precision", {})
     bf16 = s.current.choice("bf16")
-    assert "volta is 7.0" in bf16.disabled, bf16
+    assert bf16.disabled.endswith("bf16 needs sm 8.0+ (Ampere), volta is 7.0"), bf16
     assert s.current.choices[s.current.pointer].label.startswith("fp16")  # the default is allowed
     s.pick("fp32")
     assert s.finish() == 0
@@ -130,12 +132,13 @@ def test_impossible_picks_on_one_gpu_node_are_disabled_or_refused(session, tmp_p
     run_to(s, "package_name", {})
     refusals["package_name=launch"] = s.type("launch")
     assert s.type("mymodel") == ""
-    run_to(s, "tensor_parallel", {})
-    refusals["tensor_parallel=3"] = s.type("3")  # a typed number: copier asks again
-    assert s.type("1") == ""
     run_to(s, "seq_len", {})
     refusals["seq_len=200000"] = s.type("200000")  # past Llama 3.1's 131,072-token context
     assert s.type("8192") == ""
+    s.next_prompt()
+    assert s.current.name == "tensor_parallel"  # asked after the sequence its default is planned for
+    refusals["tensor_parallel=3"] = s.type("3")  # a typed number: copier asks again
+    assert s.type("1") == ""
     s.next_prompt()
     assert s.current.name == "context_parallel"
     refusals["context_parallel=3"] = s.type("3")  # a group must divide the node
@@ -163,13 +166,14 @@ def test_impossible_picks_on_one_gpu_node_are_disabled_or_refused(session, tmp_p
     s.accept()
     assert s.finish() == 0
 
-    # A typed answer's refusal is one line under the prompt: the fix first, and on screen to its end.
-    assert refusals["package_name=launch"].endswith("try launch_train: 'launch' shadows an imported module")
-    assert refusals["tensor_parallel=3"].endswith("answer 1, 2, 4 or 8 (divides gpus_per_node=8)")
-    assert refusals["seq_len=200000"].endswith("must be between 1 and 131072 (the preset's max_seq_len)")
-    assert refusals["context_parallel=3"].endswith("answer 1, 2, 4 or 8 (divides gpus_per_node=8)")
-    assert re.search(r"1 fits: 64 need \d+\.\d GiB per GPU, 72\.0 usable$", refusals["micro_batch_size=64"])
-    assert refusals["activation_checkpointing=none"].startswith("choose activation_checkpointing=selective: at best")
+    # A typed answer's refusal is one line under the prompt: the fix first, and on screen to its end (the forms
+    # that fit after copier's "Validation error for question '<name>': ").
+    assert refusals["package_name=launch"].endswith("'package_name': try launch_train")
+    assert refusals["tensor_parallel=3"].endswith("'tensor_parallel': answer 1, 2, 4 or 8 (8 GPUs)")
+    assert refusals["seq_len=200000"].endswith("'seq_len': 1 to 131072 (the preset's max_seq_len)")
+    assert refusals["context_parallel=3"].endswith("'context_parallel': answer 1, 2, 4 or 8 (8 GPUs)")
+    assert re.search(r"'micro_batch_size': 1 fits: needs \d+\.\d GiB/GPU$", refusals["micro_batch_size=64"])
+    assert refusals["activation_checkpointing=none"].startswith("choose selective: at best")
     assert NUMBERS.search(refusals["activation_checkpointing=none"])
     assert "hybrid needs several nodes" in refusals["sharding=hybrid"]
     assert "needs a sharded mode" in refusals["cpu_offload=yes with no_shard"]
@@ -181,31 +185,36 @@ def test_impossible_picks_on_one_gpu_node_are_disabled_or_refused(session, tmp_p
 
 
 def test_a_whole_131072_token_context_takes_context_parallelism(session, tmp_path):
-    """8 x 16 GiB GPUs, 8b at Llama 3.1's whole context: the sequence is accepted, the planner's degree is the
-    node's 8 GPUs, smaller ones are refused with their figure, and DDP is disabled for it. (On 80 GiB GPUs, with
-    the loss in chunks, each GPU holds a whole sequence.)"""
+    """8 x 12 GiB GPUs, 8b at Llama 3.1's whole context: the sequence is accepted, the planner's degree is the
+    node's 8 GPUs (with CPU offload and the blocks' inputs parked in host memory), smaller ones are refused with
+    their figure, and DDP is disabled for it. (On 80 GiB GPUs, with the loss in chunks, each GPU holds a whole
+    sequence.)"""
     s = session()
     run_to(s, "gpu_memory_gb", {})
-    assert s.type("16") == ""
+    assert s.type("12") == ""
     run_to(s, "customize", {})
     s.confirm(True)
     run_to(s, "seq_len", {})
     assert s.type("131072") == ""
     s.next_prompt()
+    assert s.current.name == "tensor_parallel" and s.current.text.split()[-1] == "1"  # planned for 131072 tokens
+    s.accept()
+    s.next_prompt()
     assert s.current.name == "context_parallel"
     too_few = s.type("2")
-    assert too_few.endswith("answer 8: 2 needs 36.7 GiB per GPU, 14.4 usable"), too_few
+    assert too_few.endswith("answer 8: needs 21.7 GiB/GPU"), too_few
     beyond = s.type("16")
-    assert beyond.endswith("answer 8 (divides gpus_per_node=8)"), beyond
+    assert beyond.endswith("'context_parallel': answer 8 (8 GPUs)"), beyond
     assert s.type("8") == ""
     run_to(s, "sharding", {})
     ddp = pick_disabled(s, "no_shard")
-    assert ddp.endswith("DDP is not combined with context_parallel=8"), ddp
+    assert ddp.endswith("choose full: DDP is not combined with context_parallel=8"), ddp
     s.accept()
     assert s.finish() == 0
     answers = assert_valid_plan(tmp_path, tmp_path / "proj")
     assert (answers["seq_len"], answers["context_parallel"], answers["micro_batch_size"]) == (131072, 8, 1)
-    assert "context_parallel = 8" in (tmp_path / "proj" / "configs" / "8b.toml").read_text()
+    config = (tmp_path / "proj" / "configs" / "8b.toml").read_text()
+    assert "context_parallel = 8" in config and "activation_offload = true" in config
 
 
 def test_impossible_picks_when_memory_is_short(session, tmp_path):
@@ -219,7 +228,7 @@ def test_impossible_picks_when_memory_is_short(session, tmp_path):
     s.confirm(True)
     run_to(s, "model_size", {})
     too_big = pick_disabled(s, "70b")
-    assert "even at one 128-token sequence" in too_big and NUMBERS.search(too_big), too_big
+    assert re.fullmatch(r"needs \d+\.\d GiB/GPU at 128 tokens, 7\.2 usable", too_big), too_big
     assert s.current.choices[s.current.pointer].label.startswith("8b")  # the default still fits
     s.pick("8b")
     run_to(s, "activation_checkpointing", {})
@@ -254,14 +263,14 @@ def test_picks_the_node_cannot_hold_are_disabled(session, tmp_path):
     s.confirm(True)
     run_to(s, "model_size", {})
     too_big = pick_disabled(s, "70b")
-    assert "at best 1073.5 GiB RAM per node, 180.0 of 200 GiB usable" in too_big, too_big
+    assert too_big == "needs 1073.5 GiB RAM per node, 180.0 usable", too_big
     s.pick("8b")
     run_to(s, "cpu_offload", {})
     assert "cpu_offload=true" in pick_disabled(s, "no")  # the GPU needs it, and the node holds it
     s.pick("yes")
     run_to(s, "checkpoint_format", {})
     staging = pick_disabled(s, "dcp_async")
-    assert "227.6 GiB RAM per node (async staging 89.7), 180.0 of 200 GiB usable" in staging, staging
+    assert staging == "choose dcp: 227.6 GiB RAM (async staging 89.7), 180.0 usable", staging
     s.pick("dcp")
     assert s.finish() == 0
     answers = assert_valid_plan(tmp_path, tmp_path / "proj")
@@ -278,7 +287,7 @@ def test_impossible_picks_on_cpu_ranks_and_for_an_image_model(session, tmp_path)
     s.confirm(True)
     s.next_prompt()
     empty = s.type("")  # a refusal's example is never empty
-    assert empty.endswith("try fsdp_train: '' is not a lowercase identifier"), empty
+    assert empty.endswith("'package_name': try fsdp_train: not an identifier"), empty
     assert s.type("vision") == ""
     run_to(s, "model_type", {})
     s.pick("A Vision Transformer")
@@ -287,20 +296,20 @@ def test_impossible_picks_on_cpu_ranks_and_for_an_image_model(session, tmp_path)
     assert pick_disabled(s, "lora") == "choose full: LoRA adapts only llama and hf_causal_lm"
     s.accept()
     s.next_prompt()
-    assert "an image-model preset" not in s.current.choice("vit-debug").disabled
-    assert "a decoder preset" in pick_disabled(s, "8b")
+    assert not s.current.choice("vit-debug").disabled
+    assert pick_disabled(s, "8b") == "for vit: choose a vit-* preset"
     s.pick("vit-debug")
     run_to(s, "data_source", {})
-    assert pick_disabled(s, "memmap") == "for vit: choose image_folder or synthetic"
-    assert pick_disabled(s, "sft") == "for vit: choose image_folder or synthetic"
+    assert pick_disabled(s, "memmap") == "for vit: image_folder or synthetic"
+    assert pick_disabled(s, "sft") == "for vit: image_folder or synthetic"
     s.accept()
     run_to(s, "backend", {})
     for backend in ["nccl", "xccl"]:
         assert pick_disabled(s, backend).startswith(f"choose gloo: {backend} cannot run collectives on cpu")
-    assert pick_disabled(s, "mpi") == "choose gloo or sharding=no_shard: mpi does not support reduce_scatter on cpu"
+    assert pick_disabled(s, "mpi") == "choose gloo or sharding=no_shard: mpi lacks reduce_scatter on cpu"
     s.accept()
     run_to(s, "checkpoint_export", {})
-    assert pick_disabled(s, "hf") == "choose safetensors: transformers has no class for vit"
+    assert pick_disabled(s, "hf") == "choose safetensors: transformers has no vit class"
     s.accept()
     run_to(s, "launchers", {})
     assert [c.label[2:10] for c in s.current.choices[:2]] == ["torchrun", "SLURM ba"]  # ticked: the default
@@ -329,15 +338,18 @@ def test_a_mixture_of_experts_on_a_gpu_node_plans_its_expert_parallelism(session
     assert pick_disabled(s, "lora") == "choose full: its experts are not nn.Linear layers"
     s.accept()
     s.next_prompt()
-    assert pick_disabled(s, "8b") == "a dense preset: for qwen3_moe choose moe-debug, 30b-a3b, 235b-a22b"
+    assert pick_disabled(s, "8b") == "for qwen3_moe: moe-debug, 30b-a3b or 235b-a22b"
     assert s.current.choices[s.current.pointer].label.startswith("30b-a3b")  # the default fits
     s.accept()
     s.next_prompt()
+    assert s.current.name == "seq_len"
+    s.accept()
+    s.next_prompt()
     assert s.current.name == "expert_parallel"  # no tensor_parallel: its experts split by expert parallelism
-    assert s.type("3").endswith("answer 1, 2, 4 or 8 (divides gpus_per_node=8)")
+    assert s.type("3").endswith("'expert_parallel': answer 1, 2, 4 or 8 (8 GPUs)")
     assert s.type("8") == ""  # the planner's degree, the default
     run_to(s, "sharding", {})
-    assert pick_disabled(s, "no_shard").endswith("DDP is not combined with expert_parallel=8")
+    assert pick_disabled(s, "no_shard").endswith("not with expert_parallel=8")
     s.accept()
     run_to(s, "float8", {})
     assert pick_disabled(s, "rowwise") == "choose none: its experts are not nn.Linear"
@@ -365,11 +377,14 @@ def test_no_pick_from_list_question_relies_on_a_question_level_validator():
 SCREENS = {
     "cpu_vit_two_nodes": {"accelerator": "cpu", "num_nodes": 2, "model_type": "vit", "package_name": "launch",
                           "launchers": [], "checkpoint_keep_last": 0},
-    "one_small_volta": {"gpu_arch": "volta", "gpus_per_node": 1, "gpu_memory_gb": 8, "project_name": "my project"},
+    "one_small_volta": {"gpu_arch": "volta", "gpus_per_node": 1, "gpu_memory_gb": 8,
+                        "project_name": "my project, with a name longer than any line of a terminal"},
     "ddp_8b_on_h100s": {"activation_checkpointing": "full", "sharding": "no_shard", "tensor_parallel": 3,
                         "seq_len": 200000, "context_parallel": 3, "micro_batch_size": 64},
-    "long_context_8b": {"seq_len": 131072, "context_parallel": 2, "sharding": "no_shard"},
-    "hf_lora_fp16": {"model_type": "hf_causal_lm", "finetune": "lora", "mixed_precision": "fp16", "tensor_parallel": 2},
+    # A refusal does not grow with the number typed.
+    "long_context_8b": {"seq_len": 131072, "context_parallel": 2, "sharding": "no_shard", "micro_batch_size": 100000},
+    "hf_lora_fp16": {"model_type": "hf_causal_lm", "finetune": "lora", "mixed_precision": "fp16", "seq_len": 131071,
+                     "tensor_parallel": 2},
     "moe_on_turing": {"model_type": "qwen3_moe", "gpu_arch": "turing", "gpus_per_node": 2, "gpu_memory_gb": 16,
                       "expert_parallel": 3, "compile": True, "finetune": "lora"},
 }  # fmt: skip
@@ -377,14 +392,14 @@ SCREENS = {
 
 def test_every_line_the_questions_show_fits_the_terminal(tmp_path):
     """Copier's prompts cut what does not fit: every help line, choice, disabled reason and refusal
-    fits COLUMNS, so a user sees each figure and each fix. The questions come from copier.yml, so a
-    new one is held to this too (and must be shown by one of SCREENS)."""
+    fits COLUMNS (the last column free), so a user sees each figure and each fix. The questions come
+    from copier.yml, so a new one is held to this too (and must be shown by one of SCREENS)."""
     too_wide, asked = [], set()
     for name, wanted in SCREENS.items():
         for question, line in shown_lines(wanted, tmp_path / name):
             asked.add(question)
-            if columns(line) > COLUMNS:
-                too_wide.append(f"{name} {question} ({columns(line)}): {line}")
+            if not fits(line):
+                too_wide.append(f"{name} {question} ({columns(line)} of {COLUMNS}): {line}")
     assert not too_wide, "\n".join(too_wide)
     questions = {k for k in yaml.safe_load((TEMPLATE / "copier.yml").read_text()) if not k.startswith("_")}
     assert asked == questions, f"shown by no answer set: {sorted(questions - asked)}"

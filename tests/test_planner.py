@@ -8,10 +8,11 @@ import functools
 import importlib
 import itertools
 import json
+import math
 import random
 import re
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
@@ -210,7 +211,7 @@ def test_each_planner_macro_is_a_function_of_the_render_by_the_same_name(plan, m
     where = [plan, importlib.import_module("planpkg.distributed"), importlib.import_module("planpkg.models"), shape]
     named = {"moe_activation_bytes": shape.MoeShape.activation_bytes}
     missing = [name for name in macros if name not in named and not any(hasattr(module, name) for module in where)]
-    assert not missing and len(macros) == 26, (missing, macros)
+    assert not missing and len(macros) == 31, (missing, macros)
     answers = (TEMPLATE / "hooks" / "answers.jinja").read_text()
     assert "macro largest_fitting_micro_batch(" in answers and hasattr(moepkg.choice, "largest_fitting_micro_batch")
     for name in macros:
@@ -239,7 +240,7 @@ def test_question_time_derives_degrees_in_parallel_degrees_only():
 def test_question_time_and_run_time_memory_agree(plan):
     # plan.jinja's memory_plan (with model_shape, activation_bytes_per_token, adapter_params, block_gather_bytes and
     # parallel_degrees) against plan/memory.py's memory_plan on the shape models/llama/shape.py declares.
-    fields = ["params", "grads", "optim", "grads_live", "gathered", "gradbuf", "activations", "host", "total"]
+    fields = ["params", "grads", "optim", "grads_live", "gathered", "gradbuf", "activations", "host", "parked", "total"]
     checked = {"full": 0, "lora": 0}
     for preset, precision, ac, sharding, offload, (gpus, nodes), accum, sync, zero, prefetch, finetune in GRID:
         if sharding == "no_shard" and (offload or prefetch) or sharding != "no_shard" and zero:
@@ -299,8 +300,8 @@ def test_question_time_and_run_time_recommendations_agree(plan, tmp_path):
             "recommend", preset, p["seq_len"], p["micro_batch_size"], precision, gpus, nodes, memory, link, "cuda",
             finetune,
         )  # fmt: skip
-        ac, sharding, offload = plan.recommend(**subs(cfg))
-        assert q == f"{ac},{sharding},{str(offload).lower()}", (preset, precision, gpus, nodes, memory, link, finetune)
+        r = ",".join(str(choice).lower() for choice in plan.recommend(**subs(cfg)))  # ac,sharding,offload,parked
+        assert q == r, (preset, precision, gpus, nodes, memory, link, finetune)
         if finetune == "lora":
             without = jinja("recommend", preset, p["seq_len"], p["micro_batch_size"], precision, gpus, nodes, memory,
                             link, "cuda")  # fmt: skip
@@ -515,11 +516,12 @@ def tp_recommendations(plan, grid, model_type: str, **model_fields) -> set[int]:
             re_ = estimate(plan, cfg, t, p["micro_batch_size"])
             assert bool(qe) == (re_ is not None)
             if re_ is not None:
-                assert (qe["micro_batch_size"], qe["ac"], qe["sharding"], qe["offload"]) == (
+                assert (qe["micro_batch_size"], qe["ac"], qe["sharding"], qe["offload"], qe["activation_offload"]) == (
                     re_.micro_batch_size,
                     re_.ac,
                     re_.sharding,
                     re_.cpu_offload,
+                    re_.activation_offload,
                 )
                 assert qe["seconds_per_token"] == pytest.approx(re_.seconds_per_token, rel=1e-12)
         picked.add(r)
@@ -540,13 +542,15 @@ def test_transformers_tensor_parallel_plans_are_planned_alike_at_question_and_ru
     grid = itertools.product(["8b", "70b"], [(8, 1), (8, 4)], [80, 180], ["nvlink"], ["infiniband", "ethernet"])
     assert tp_recommendations(plan, grid, "hf_causal_lm", name="hf_causal_lm") == {1, 2, 8}
     # Whole activations cost memory. Llama 3.1 70B on 4 nodes of 8 x 80 GiB with the logits whole: the built-in
-    # model's pairs fit without CPU offload, so it plans them; transformers' pairs would need offload, so FSDP alone.
+    # model's pairs take their two sequences without CPU offload; transformers' pairs take only one (two would need
+    # offload, and a larger micro-batch is no reason to offload), so its groups of 8 send the fewest bytes a token.
     llama, hf = (hardware_config("70b", "bf16", 8, 4, 80, "nvlink", "infiniband", "hopper", name=name)
                  for name in ("llama", "hf_causal_lm"))  # fmt: skip
     llama.train.loss_chunk = hf.train.loss_chunk = 0
     ours, theirs = estimate(plan, llama, 2, 1), estimate(plan, hf, 2, 1)
-    assert (ours.cpu_offload, theirs.cpu_offload) == (False, True), (ours, theirs)
-    assert (best_degree(plan, llama, 1), best_degree(plan, hf, 1)) == (2, 1)
+    assert (ours.cpu_offload, theirs.cpu_offload) == (False, False), (ours, theirs)
+    assert (ours.micro_batch_size, theirs.micro_batch_size) == (2, 1), (ours, theirs)
+    assert (best_degree(plan, llama, 1), best_degree(plan, hf, 1)) == (2, 8)
 
 
 def test_context_parallel_splits_the_activations_of_llama_8b_at_131072_tokens_by_hand(plan):
@@ -663,6 +667,93 @@ def test_question_time_and_run_time_pick_the_same_context_parallel_degree(plan):
     assert jinja("context_parallel_degrees", "8b", 8200, 8, 1, "cuda", "llama") == "1,2,4"
 
 
+def long_context_config(plan, preset: str, gpus: int, nodes: int, memory: int, tp: int = 1, cp: int = 1, seq: int = 0):
+    """hardware_config at one sequence per micro-batch and step (no accumulation: the question-time plan's), split
+    over tp x cp."""
+    cfg = hardware_config(preset, "bf16", gpus, nodes, memory, "nvlink", "infiniband", "hopper")
+    cfg.parallel.tensor_parallel, cfg.parallel.context_parallel = tp, cp
+    cfg.train.micro_batch_size, cfg.train.seq_len = 1, seq or cfg.train.seq_len
+    cfg.train.global_batch_size = plan.planned_degrees(parallel=cfg.parallel, hardware=cfg.hardware).dp
+    return cfg
+
+
+def test_question_time_and_run_time_find_the_same_longest_sequence(plan):
+    # seq_len_multiple and longest_fitting_seq_len: plan.jinja's and plan/choice.py's. The length is the longest
+    # multiple of the split's step that fits: the next one does not (a binary search, not the preset's halvings).
+    found = set()
+    for preset, (gpus, memory), (tp, cp) in itertools.product(
+        ["1b", "8b", "70b"], [(8, 80), (8, 24), (1, 80), (1, 8)], [(1, 1), (2, 1), (1, 8), (2, 4)]
+    ):
+        if tp * cp > gpus:
+            continue
+        cfg = long_context_config(plan, preset, gpus, 1, memory, tp, cp)
+        unit = plan.seq_len_multiple(model=cfg.model, parallel=cfg.parallel)
+        assert int(jinja("seq_len_multiple", tp, cp, True)) == unit == (cp * max(tp, 2) if cp > 1 else tp)
+        q = int(jinja("longest_fitting_seq_len", preset, 131072, 1, "bf16", gpus, 1, memory, "infiniband", "cuda",
+                      "full", tp, 0, True, cp))  # fmt: skip
+        r = plan.longest_fitting_seq_len(**subs(cfg), longest=131072)
+        assert q == r, (preset, gpus, memory, tp, cp)
+        step = math.lcm(unit, 128)
+        assert r % step == 0
+
+        def fits(seq, cfg=cfg):
+            return plan.cheapest(**subs(cfg) | {"train": replace(cfg.train, seq_len=seq)}) is not None
+
+        assert (r == 0 or fits(r)) and (r + step > 131072 or not fits(r + step)), (preset, gpus, memory, tp, cp, r)
+        found.add("whole" if r == 131072 else "none" if r == 0 else "between")
+        if r and r < 131072 and r & (r - 1):  # not a power of two: longer than the halving the planner offered before
+            found.add("not a halving")
+    assert found == {"whole", "none", "between", "not a halving"}, found
+    # transformers' plans split no sequence: any length with tensor parallelism; the built-in decoder's, a multiple.
+    assert jinja("seq_len_multiple", 4, 1, False) == "1" and jinja("seq_len_multiple", 4, 1, True) == "4"
+
+
+def test_tensor_parallelism_is_planned_with_the_context_parallelism_a_long_sequence_needs(plan):
+    # tensor_parallel_estimates and recommend_tensor_parallel: where no degree fits the sequence without context
+    # parallelism, each degree is estimated with the smallest context-parallel degree that fits it, on both sides.
+    picked = {}
+    for preset, seq, nodes in [("8b", 131072, 1), ("8b", 131064, 1), ("70b", 131072, 8), ("8b", 32768, 2)]:
+        cfg = long_context_config(plan, preset, 8, nodes, 80, seq=seq)
+        base = PRESETS[preset]["micro_batch_size"]
+        r_all = plan.tensor_parallel_estimates(**subs(cfg), base_micro_batch=base)
+        q_all = json.loads(jinja("tensor_parallel_estimates", preset, seq, base, "bf16", 8, nodes, 80, "nvlink",
+                                 "infiniband", "cuda", "hopper", "llama"))  # fmt: skip
+        assert sorted(map(int, q_all)) == sorted(r_all), (preset, seq)
+        for degree, r in r_all.items():
+            q = q_all[str(degree)]
+            assert bool(q) == (r is not None), (preset, seq, degree)
+            if r is not None:
+                assert (q["micro_batch_size"], q["ac"], q["sharding"], q["offload"]) == (
+                    r.micro_batch_size, r.ac, r.sharding, r.cpu_offload)  # fmt: skip
+                assert q["seconds_per_token"] == pytest.approx(r.seconds_per_token, rel=1e-12)
+        q = int(jinja("recommend_tensor_parallel", preset, seq, base, "bf16", 8, nodes, 80, "nvlink", "infiniband",
+                      "cuda", "hopper", "llama"))  # fmt: skip
+        assert q == best_degree(plan, cfg, base)
+        picked[(preset, seq, nodes)] = (q, {int(d): e.get("cp") for d, e in q_all.items() if e})
+    # 131,072 tokens of 8b with the loss in chunks: FSDP alone over pairs of context-parallel GPUs (no offload, the
+    # all-to-alls priced), before any tensor-parallel degree (which fits without it, at the cost of its collectives).
+    assert picked[("8b", 131072, 1)] == (1, {1: 2, 2: 1, 4: 1, 8: 1})
+    # 131,064 tokens: 2 x 2 divides them too (2 x 8 does not: context parallelism 2 is the smallest that fits).
+    assert picked[("8b", 131064, 1)] == (1, {1: 2, 2: 1, 4: 1, 8: 1})
+    # 70b at 131,072 tokens on 8 nodes: every degree with the context parallelism that fills the node's 8 GPUs.
+    assert picked[("70b", 131072, 8)] == (1, {1: 8, 2: 4, 4: 2, 8: 1})
+    # 8b at 32,768 tokens on 2 nodes: FSDP alone fits without it, so no degree is planned with it.
+    assert picked[("8b", 32768, 2)] == (1, {1: 1, 2: 1, 4: 1, 8: 1})
+
+
+def test_a_run_time_refusal_offers_the_longest_sequence_that_fits(plan):
+    # Launched on 10 GiB devices, 8b planned at 131,072 tokens over context parallelism 8: no smaller micro-batch, no
+    # larger degree and neither offload fit it (with the loss in chunks, 40 GiB take it with full recomputation), so
+    # the longest sequence that fits (a multiple of 16 and 128), not a halving of it.
+    cfg = long_context_config(plan, "8b", 8, 1, 80, 1, 8, 131072)
+    fix = plan.check.device_fix(**subs(cfg), memory_gb=10)
+    named = dict(re.findall(r"(train\.seq_len|parallel\.\w+)=(\w+)", fix))
+    seq = int(named["train.seq_len"])
+    live = replace(cfg.hardware, gpu_memory_gb=10)
+    assert seq == plan.longest_fitting_seq_len(**subs(cfg) | {"hardware": live}, longest=131072), fix
+    assert seq % 128 == 0 and 65536 < seq < 131072 and seq & (seq - 1), fix  # past the halving, 65,536
+
+
 def test_host_memory_of_70b_on_one_24_gib_gpu_by_hand(plan):
     # Llama 3.1 70B fits one 24 GiB GPU only with CPU offload: its whole fp32 state goes to the host.
     s = shape(plan, "70b")
@@ -701,6 +792,109 @@ def test_host_memory_of_70b_on_one_24_gib_gpu_by_hand(plan):
                                 cpu_offload=True)  # fmt: skip
     assert cpu.device == 2 * m.total and cpu.load == 2 * 2 * 4 * V * h + 4 * P + 2 * m.params
     assert cpu.export == 2 * 2 * 5e9 / 2 + 2 * 4 * V * h and cpu.runtime == 2 * GIB
+
+
+def test_activation_offload_parks_the_inputs_of_all_blocks_but_two_by_hand(plan):
+    from planpkg.config import HardwareConfig
+
+    # Llama 3.1 8B at 131,072 tokens over a context-parallel group of 8 GPUs (16,384 tokens a GPU), bf16, full
+    # checkpointing: each block keeps its input, 16,384 x 4,096 x 2 bytes (128 MiB). Offload parks 30 of the 32 in
+    # host memory (the last two never leave the GPU: their backward comes first).
+    s = shape(plan, "8b")
+    kw = dict(seq_len=131072, micro_batch_size=1, precision="bf16", sharding="full", cpu_offload=False,
+              gpus_per_node=8, num_nodes=1, context_parallel=8)  # fmt: skip
+    kept, parked = (plan.memory_plan(s, ac="full", activation_offload=on, **kw) for on in (False, True))
+    block_input = 16384 * 4096 * 2
+    assert parked.parked == 30 * block_input == 4_026_531_840 and kept.parked == 0
+    assert kept.activations - parked.activations == kept.total - parked.total == parked.parked
+    # Selective checkpointing keeps the same inputs (and its matmul outputs, which stay); none keeps no input to park.
+    selective = plan.memory_plan(s, ac="selective", activation_offload=True, **kw)
+    assert selective.parked == parked.parked
+    assert plan.memory_plan(s, ac="none", activation_offload=True, **kw).parked == 0
+    # The node's RAM holds its 8 GPUs' parked inputs while training: 30 GiB more, the peak (with pretrained weights,
+    # whose slices each rank reads, start-up holds less).
+    host_kw = dict(accelerator="cuda", precision="bf16", gpus_per_node=8, num_nodes=1, cpu_offload=False,
+                   init_from=True)  # fmt: skip
+    without, with_parked = (plan.host_memory_plan(s, m, **host_kw) for m in (kept, parked))
+    assert with_parked.parked == 8 * parked.parked and with_parked.training - without.training == 30 * GIB
+    assert with_parked.total == with_parked.runtime + with_parked.os + with_parked.training
+    assert "activation offload 30.0" in with_parked.describe()
+    # Over the host link: each parked input to the host and back, 8.05 GB a step, 0.16 s at 50 GB/s (PCIe Gen5 x16 as
+    # a pinned copy reaches it), hidden behind 2.0 s of compute at 40% MFU.
+    sent = plan.activation_offload_bytes(s, "bf16", 16384, context_parallel=8)
+    assert sent == 2 * parked.parked
+    hopper = HardwareConfig(accelerator="cuda", gpu_arch="hopper", gpus_per_node=8)
+    seconds = plan.activation_offload_seconds(sent, hardware=hopper)
+    assert seconds == pytest.approx(sent / 50e9) == pytest.approx(0.161, abs=1e-3)
+    assert 6 * s.P * 16384 / (0.4 * 989e12) > 10 * plan.activation_offload_seconds(sent, hardware=hopper)
+    # Two blocks or fewer park nothing.
+    assert plan.parked_bytes(shape(plan, "8b", n_layers=2), 16384, 8192) == 0
+
+
+def test_the_planner_parks_block_inputs_before_it_offloads_the_model_state(plan):
+    from planpkg.config import Config, HardwareConfig, ParallelConfig, TrainConfig
+
+    # Llama 3.1 8B on its whole 131,072-token context on 8 x H100 80 GB, without context parallelism: with the blocks'
+    # inputs kept no plan fits but CPU offload's (full sharding, full recomputation: 66.9 GiB of 72); parking them
+    # fits with shard_grad_op (60.3 GiB), and its copies cross the host link where CPU offload would move the whole
+    # sharded state and step AdamW on the CPU.
+    cfg = Config(model=model_config("8b", preset="8b"),
+                 train=TrainConfig(seq_len=131072, micro_batch_size=1, global_batch_size=8),
+                 parallel=ParallelConfig(mixed_precision="bf16"),
+                 hardware=HardwareConfig(accelerator="cuda", gpu_arch="hopper", gpus_per_node=8, gpu_memory_gb=80,
+                                         intra_node_link="nvlink"))  # fmt: skip
+    assert plan.cheapest(**subs(cfg)) == plan.PlanChoice("full", "shard_grad_op", False, True)
+    assert jinja("recommend", "8b", 131072, 1, "bf16", 8, 1, 80, "", "cuda") == "full,shard_grad_op,false,true"
+    assert plan.cheapest(**subs(cfg), activation_offload=False) == plan.PlanChoice("full", "full", True, False)
+    chosen = replace(cfg.parallel, activation_checkpointing="full", sharding="shard_grad_op")
+    args = dict(model=cfg.model, train=cfg.train, parallel=chosen, hardware=cfg.hardware, finetune=cfg.finetune)
+    assert plan.needs_activation_offload(**args)
+    assert round(plan.plan_for(**args, activation_offload=True).total / GIB, 1) == 60.3
+    assert round(plan.plan_for(**args, activation_offload=False).total / GIB, 1) == 90.3
+    # A config that leaves it off is refused at launch with that one setting as the fix.
+    fix = plan.check.device_fix(**subs(replace(cfg, parallel=chosen)), memory_gb=80)
+    assert fix.startswith("set parallel.activation_offload=true ("), fix
+
+
+def test_question_time_and_run_time_agree_with_activation_offload(plan):
+    # memory_plan's parked and activations, activation_offload_bytes and needs_activation_offload: plan.jinja's and
+    # plan/memory.py's, plan/communication.py's, plan/choice.py's.
+    from planpkg.config import Config, FinetuneConfig, HardwareConfig, ParallelConfig, TrainConfig
+
+    fields = ["activations", "parked", "total"]
+    needed = set()
+    grid = itertools.product(["1b", "8b", "70b"], ["bf16", "fp32"], ["none", "selective", "full"], [1, 2], [1, 2, 8],
+                             ["full", "lora"], [(8192, 40), (65536, 80)])  # fmt: skip
+    for preset, precision, ac, tp, cp, finetune, (seq, memory) in grid:
+        sp = cp % 2 == 1  # llama's sequence-parallel plan or transformers' (no context parallelism there)
+        if tp > 1 and finetune == "lora" or not sp and cp > 1:
+            continue
+        rank = HOOKS.LORA["rank"] if finetune == "lora" else 0
+        q = json.loads(jinja("memory_plan", preset, seq, 1, precision, ac, "full", False, 8, 1, 1, False, False, 0,
+                             "none", finetune, tp, sp, cp, 1, HOOKS.LOSS_CHUNK, True))  # fmt: skip
+        s = shape(plan, preset) if sp else shape(plan, preset, name="hf_causal_lm")
+        r = plan.memory_plan(s, seq_len=seq, micro_batch_size=1, precision=precision, ac=ac, sharding="full",
+                             cpu_offload=False, gpus_per_node=8, num_nodes=1, lora_rank=rank, tensor_parallel=tp,
+                             sequence_parallel=sp, context_parallel=cp, activation_offload=True)  # fmt: skip
+        for name in fields:
+            assert q[name] == pytest.approx(getattr(r, name), rel=1e-12), (preset, precision, ac, tp, cp, name)
+        tokens = seq // cp
+        qb = float(jinja("activation_offload_bytes", preset, precision, tokens, tp, sp, cp))
+        assert qb == pytest.approx(plan.activation_offload_bytes(s, precision, tokens, tp, sp, cp), rel=1e-12)
+        cfg = Config(model=model_config(preset, preset=preset, **({} if sp else {"name": "hf_causal_lm"})),
+                     train=TrainConfig(seq_len=seq, micro_batch_size=1, global_batch_size=8 // (tp * cp)),
+                     parallel=ParallelConfig(mixed_precision=precision, activation_checkpointing=ac,
+                                             tensor_parallel=tp, context_parallel=cp),
+                     hardware=HardwareConfig(accelerator="cuda", gpus_per_node=8, gpu_memory_gb=memory,
+                                             intra_node_link="nvlink"),
+                     finetune=FinetuneConfig(method=finetune))  # fmt: skip
+        qn = jinja("needs_activation_offload", preset, seq, 1, precision, ac, "full", False, 8, 1, memory, "cuda",
+                   False, finetune, tp, sp, cp)  # fmt: skip
+        rn = plan.needs_activation_offload(model=cfg.model, train=cfg.train, parallel=cfg.parallel,
+                                           hardware=cfg.hardware, finetune=cfg.finetune)  # fmt: skip
+        assert qn == str(rn).lower(), (preset, precision, ac, tp, cp, finetune, seq, memory)
+        needed.add(rn)
+    assert needed == {False, True}
 
 
 MOE = JINJA.get_template("hooks/presets.jinja").module.MOE_PRESETS
@@ -825,8 +1019,8 @@ def test_question_time_and_run_time_expert_parallel_recommendations_agree(moe):
             re_ = plan.estimate_expert_parallel(**args, degree=d, base_micro_batch=m["micro_batch_size"])
             assert bool(qe) == (re_ is not None), (preset, gpus, nodes, memory, d)
             if re_ is not None:
-                assert (qe["micro_batch_size"], qe["ac"], qe["sharding"], qe["offload"]) == (
-                    re_.micro_batch_size, re_.ac, re_.sharding, re_.cpu_offload)  # fmt: skip
+                assert (qe["micro_batch_size"], qe["ac"], qe["sharding"], qe["offload"], qe["activation_offload"]) == (
+                    re_.micro_batch_size, re_.ac, re_.sharding, re_.cpu_offload, re_.activation_offload)  # fmt: skip
                 assert qe["seconds_per_token"] == pytest.approx(re_.seconds_per_token, rel=1e-12)
         q = int(jinja("recommend_expert_parallel", preset, m["seq_len"], m["micro_batch_size"], "bf16", gpus, nodes,
                       memory, intra, inter, "cuda", "hopper"))  # fmt: skip
@@ -852,33 +1046,34 @@ VOLTA = {"accelerator": "cuda", "gpu_arch": "volta", "gpus_per_node": 8, "num_no
 
 
 def test_a_refused_plan_choice_suggests_a_plan_that_fits_the_answers_given_and_its_figure(plan):
-    # 32,768 tokens: at the default length (8,192) the loss in chunks leaves room to spare without offload.
-    a = {**VOLTA, "seq_len": 32768}
-    # In a terminal the later questions come after: the cheapest plan with full recomputation is the fix.
-    assert ask("ac_choice('selective')", a).startswith("choose activation_checkpointing=full: at best ")
+    # 49,152 tokens: at the default length (8,192) the loss in chunks leaves room to spare without offload, and at
+    # 32,768 full recomputation with the blocks' inputs parked in host memory does.
+    a = {**VOLTA, "seq_len": 49152}
+    # In a terminal the later questions come after: the cheapest plan with full recomputation is the fix (the
+    # refused question's own answer bare: the line of a disabled choice has no room for its name).
+    assert ask("ac_choice('selective')", a).startswith("choose full: at best ")
     # Given DDP without the ZeRO optimizer and without offload on the command line, full recomputation alone
     # fits nothing (before: "choose activation_checkpointing=full: at best 42.7 GiB per GPU", selective's best
-    # with any sharding): the fix names the answers it changes, and its figure is its own plan's.
+    # with any sharding): the fix names the answers it changes (so many that its figure has no room left).
     given = {"sharding": "no_shard", "cpu_offload": "false", "zero_optimizer": "false"}
     refusal = ask("ac_choice('selective')", a, given)
-    fix = "choose activation_checkpointing=full, sharding=full and cpu_offload=true: at best "
-    assert refusal.startswith(fix) and refusal.endswith(" GiB per GPU, 28.8 usable"), refusal
-    figure = float(refusal[len(fix) :].split()[0])
-    m = plan.memory_plan(shape(plan, "8b"), seq_len=a["seq_len"], micro_batch_size=1, precision="fp16", ac="full",
-                         sharding="full", cpu_offload=True, gpus_per_node=8, num_nodes=1)  # fmt: skip
-    assert figure == round(m.total / GIB, 1) and m.fits(32)
-    # Following half of the fix, the next refusal asks for the rest with the same figure (before: "choose
-    # sharding=full: at best 69.8", DDP's with the ZeRO optimizer the user had turned off).
+    assert refusal == "choose full, sharding=full and cpu_offload=true", refusal
+    # Following half of the fix, the next refusal asks for the rest with the figure of the plan it suggests (before:
+    # "choose sharding=full: at best 69.8", DDP's with the ZeRO optimizer the user had turned off).
     half = ask("sharding_choice('no_shard')", {**a, "activation_checkpointing": "full"}, given)
-    assert half == f"choose sharding=full and cpu_offload=true: at best {figure} GiB per GPU, 28.8 usable"
+    fix = "choose full and cpu_offload=true: at best "
+    assert half.startswith(fix) and half.endswith(" GiB/GPU"), half
+    figure = float(half[len(fix) :].split()[0])
+    m, kept = (plan.memory_plan(shape(plan, "8b"), seq_len=a["seq_len"], micro_batch_size=1, precision="fp16",
+                                ac="full", sharding="full", cpu_offload=True, gpus_per_node=8, num_nodes=1,
+                                activation_offload=parked) for parked in (True, False))  # fmt: skip
+    assert figure == round(m.total / GIB, 1) and m.fits(32) and not kept.fits(32)  # its blocks' inputs parked too
     assert ask("offload_choice(false)", {**a, "activation_checkpointing": "full", "sharding": "full"}).startswith(
-        f"choose cpu_offload=true ({figure} GiB): this plan needs "
+        f"choose cpu_offload=true ({figure} GiB): this needs "
     )
 
 
 def test_run_time_refusals_name_only_fixes_that_fit(plan):
-    from dataclasses import replace
-
     def device(sub: dict):
         return plan.plan_for(**{k: v for k, v in sub.items() if k != "checkpoint"})
 
@@ -922,14 +1117,14 @@ HOST_GRID = random.Random(0).sample([c for c in itertools.product(
 
 def test_question_time_and_run_time_host_memory_agree(plan):
     # plan.jinja's host_memory_plan against plan/host.py's.
-    fields = ["runtime", "state", "device", "staging", "load", "start", "export", "os", "total"]
+    fields = ["runtime", "state", "device", "staging", "load", "start", "export", "os", "parked", "total"]
     checked = 0
     for preset, accelerator, precision, sharding, offload, (gpus, nodes), finetune, fmt, export in HOST_GRID:
         seq, mbs = PRESETS[preset]["seq_len"], PRESETS[preset]["micro_batch_size"]
         rank = HOOKS.LORA["rank"] if finetune == "lora" else 0
         m = plan.memory_plan(shape(plan, preset), seq_len=seq, micro_batch_size=mbs, precision=precision, ac="full",
                              sharding=sharding, cpu_offload=offload, gpus_per_node=gpus, num_nodes=nodes,
-                             lora_rank=rank)  # fmt: skip
+                             lora_rank=rank, activation_offload=checked % 2 == 1)  # fmt: skip
         q = json.loads(jinja("host_memory_plan", preset, {**asdict(m), "total": m.total}, accelerator, precision, gpus,
                              nodes, offload, finetune, fmt, export, finetune == "lora"))  # fmt: skip
         r = plan.host_memory_plan(shape(plan, preset), m, accelerator=accelerator, precision=precision,
@@ -965,8 +1160,8 @@ def test_question_time_and_run_time_recommendations_agree_on_host_memory(plan):
         )  # fmt: skip
         args = [preset, p["seq_len"], p["micro_batch_size"], "bf16", gpus, nodes, memory, link, accelerator]
         q = hook("plan", "recommend", *args, "full", 1, host)
-        ac, sharding, offload = plan.recommend(**subs(cfg))
-        assert q == f"{ac},{sharding},{str(offload).lower()}", (preset, gpus, nodes, memory, host, link, accelerator)
+        r = ",".join(str(choice).lower() for choice in plan.recommend(**subs(cfg)))  # ac,sharding,offload,parked
+        assert q == r, (preset, gpus, nodes, memory, host, link, accelerator)
         differ += q != hook("plan", "recommend", *args)  # without a host figure
         refused += plan.cheapest(**subs(cfg)) is None
     assert differ > 10 and refused > 10, (differ, refused)  # the node's RAM changes picks and refuses plans

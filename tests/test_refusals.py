@@ -9,7 +9,7 @@ import re
 import pytest
 import yaml
 from conftest import TEMPLATE, answers_of, misfit, render
-from terminal import COLUMNS, columns, refusal_line
+from terminal import COLUMNS, columns, fits, refusal_line
 
 REFUSED = {
     "nccl_on_cpu": (
@@ -22,7 +22,7 @@ REFUSED = {
     "mpi_cannot_shard": (
         {"model_size": "1b", "backend": "mpi", "sharding": "full"},
         "backend",
-        "choose nccl or sharding=no_shard: mpi does not support reduce_scatter",
+        "choose nccl or sharding=no_shard: mpi lacks reduce_scatter",
     ),
     # DDP does not fit 8b with the activation checkpointing chosen before it: sharding=no_shard is no fix.
     "mpi_where_ddp_does_not_fit": (
@@ -30,36 +30,55 @@ REFUSED = {
         "backend",
         "choose nccl: mpi does not support reduce_scatter on cuda",
     ),
-    "bf16_on_volta": ({"gpu_arch": "volta", "mixed_precision": "bf16"}, "mixed_precision", "compute capability 8.0"),
+    "bf16_on_volta": (
+        {"gpu_arch": "volta", "mixed_precision": "bf16"},
+        "mixed_precision",
+        "bf16 needs sm 8.0+ (Ampere), volta is 7.0",
+    ),
     "bf16_on_turing": ({"gpu_arch": "turing", "mixed_precision": "bf16"}, "mixed_precision", "turing is 7.5"),
     "hybrid_on_one_node": ({"sharding": "hybrid"}, "sharding", "hybrid needs several nodes"),
-    "package_with_dash": ({"package_name": "my-model"}, "package_name", "try my_model: 'my-model' is not a lowercase"),
-    "package_with_digit": ({"package_name": "1st_try"}, "package_name", "not a lowercase identifier"),
-    "package_shadows_torch": ({"package_name": "torch"}, "package_name", "'torch' shadows an imported module"),
+    "package_with_dash": ({"package_name": "my-model"}, "package_name", "try my_model: not an identifier"),
+    "package_with_digit": ({"package_name": "1st_try"}, "package_name", "try p1st_try: not an identifier"),
+    "package_shadows_torch": ({"package_name": "torch"}, "package_name", "try torch_train: shadows a module"),
     "package_shadows_a_test_helper": ({"package_name": "launch"}, "package_name", "try launch_train"),
     "package_name_empty": ({"package_name": ""}, "package_name", "try fsdp_train"),
-    "package_is_a_keyword": ({"package_name": "lambda"}, "package_name", "keyword"),
-    "project_name_with_space": ({"project_name": "my project"}, "project_name", "try my-project: only letters, digits"),
+    "package_is_a_keyword": ({"package_name": "lambda"}, "package_name", "try lambda_train: a keyword"),
+    "project_name_with_space": ({"project_name": "my project"}, "project_name", "try my-project"),
     "70b_on_one_small_gpu": (
         {"gpus_per_node": 1, "gpu_memory_gb": 8, "model_size": "70b"},
         "model_size",
-        "GiB per GPU even at one 128-token sequence",
+        "needs 12.2 GiB/GPU at 128 tokens, 7.2 usable",
     ),
     "70b_sequence_too_long": (
-        {"gpus_per_node": 1, "gpu_memory_gb": 24, "host_memory_gb": 2048, "model_size": "70b", "seq_len": 8192},
+        {"gpus_per_node": 1, "gpu_memory_gb": 24, "host_memory_gb": 2048, "model_size": "70b", "seq_len": 16384},
         "seq_len",
-        "2048 tokens fit: 8192 need 28.8 GiB per GPU, 21.6 usable",
+        "13568 fit: this needs 22.9 GiB/GPU",
     ),
     # Offload is the only plan for 70b on one 24 GiB GPU, and its 16 bytes per parameter need 1 TiB of RAM.
     "70b_host_memory": (
         {"gpus_per_node": 1, "gpu_memory_gb": 24, "host_memory_gb": 256, "model_size": "70b"},
         "model_size",
-        "needs at best 1073.5 GiB RAM per node, 230.4 of 256 GiB usable",
+        "needs 1073.5 GiB RAM per node, 230.4 usable",
     ),
     "offload_host_memory": (
         {"host_memory_gb": 48, "model_size": "1b", "sharding": "full", "cpu_offload": True},
         "cpu_offload",
-        "choose cpu_offload=false: 55.6 GiB RAM per node (offload 18.4), 43.2 of 48 GiB usable",
+        "choose cpu_offload=false: 55.6 GiB RAM (offload 18.4), 43.2 usable",
+    ),
+    # Llama 3.1 8B's whole 131,072-token context on each H100 (no context parallelism) fits the GPUs only with the
+    # blocks' inputs parked in host memory: 30 GiB a GPU, more than a 256 GiB node holds for 8.
+    "activation_offload_host_memory": (
+        {
+            "model_size": "8b",
+            "seq_len": 131072,
+            "context_parallel": 1,
+            "activation_checkpointing": "full",
+            "sharding": "full",
+            "cpu_offload": False,
+            "host_memory_gb": 256,
+        },
+        "cpu_offload",
+        "choose cpu_offload=true: 279.2 GiB RAM (parked 240.0), 230.4 usable",
     ),
     "async_checkpoint_host_memory": (
         {
@@ -70,32 +89,32 @@ REFUSED = {
             "checkpoint_format": "dcp_async",
         },
         "checkpoint_format",
-        "choose dcp: 227.6 GiB RAM per node (async staging 89.7), 180.0 of 200 GiB usable",
+        "choose dcp: 227.6 GiB RAM (async staging 89.7), 180.0 usable",
     ),
     "cpu_ranks_host_memory": (
         {"accelerator": "cpu", "host_memory_gb": 16, "model_size": "1b"},
         "model_size",
-        "GiB RAM per node, 14.4 of 16 GiB usable",
+        "GiB RAM per node, 14.4 usable",
     ),
     "micro_batch_too_large": (
         {"gpus_per_node": 1, "gpu_memory_gb": 24, "model_size": "8b", "micro_batch_size": 64},
         "micro_batch_size",
-        "1 fits: 64 need",
+        "1 fits: needs",
     ),
     "8b_ddp_does_not_fit": (
         {"model_size": "8b", "sharding": "no_shard", "activation_checkpointing": "selective"},
         "sharding",
-        "choose sharding=shard_grad_op: at best 43.7 GiB per GPU, 72.0 usable",
+        "choose shard_grad_op: at best 43.7 GiB per GPU, 72.0 usable",
     ),
     "ac_none_cannot_fit": (
         {"gpus_per_node": 1, "gpu_memory_gb": 24, "model_size": "8b", "activation_checkpointing": "none"},
         "activation_checkpointing",
-        "choose activation_checkpointing=full",
+        "choose full: at best",
     ),
     "8b_ddp_fits_only_with_zero": (
         {"model_size": "8b", "sharding": "no_shard", "activation_checkpointing": "full", "zero_optimizer": False},
         "zero_optimizer",
-        "choose zero_optimizer=true (58.6 GiB): this plan needs",
+        "choose zero_optimizer=true (58.6 GiB): this needs 110.9 GiB/GPU",
     ),
     "offload_needed": (
         {"gpus_per_node": 1, "gpu_memory_gb": 24, "model_size": "8b", "cpu_offload": False},
@@ -110,70 +129,87 @@ REFUSED = {
     "tensor_parallel_across_nodes": (
         {"model_size": "8b", "tensor_parallel": 3},
         "tensor_parallel",
-        "answer 1, 2, 4 or 8 (divides gpus_per_node=8)",
+        "answer 1, 2, 4 or 8 (8 GPUs)",
     ),
     "tensor_parallel_splits_heads": (
         {"model_size": "125m", "tensor_parallel": 8},
         "tensor_parallel",
-        "answer 1, 2 or 4 (divides 125m's n_heads=12)",
+        "answer 1, 2 or 4 (n_heads=12)",
     ),
     "tensor_parallel_splits_transformers_heads": (
         {"model_type": "hf_causal_lm", "model_size": "125m", "tensor_parallel": 8},
         "tensor_parallel",
-        "answer 1, 2 or 4 (divides 125m's n_heads=12)",
+        "answer 1, 2 or 4 (n_heads=12)",
     ),
     "tensor_parallel_without_a_plan": (
         {"model_type": "vit", "model_size": "vit-base", "tensor_parallel": 2},
         "tensor_parallel",
-        "answer 1: vit has no tensor-parallel plan",
+        "answer 1 (no plan for vit)",
     ),
     "tensor_parallel_zero": ({"model_size": "8b", "tensor_parallel": 0}, "tensor_parallel", "must be at least 1"),
     "tensor_parallel_with_ddp": (
         {"model_size": "8b", "tensor_parallel": 2, "sharding": "no_shard"},
         "sharding",
-        "choose full or shard_grad_op: DDP is not combined with tensor_parallel=2",
+        "choose full or shard_grad_op: not with tensor_parallel=2",
     ),
-    "sequence_tensor_parallel_cannot_split": (
+    # The sequence is asked first; a degree must split it (sequence parallelism cuts it tensor_parallel ways).
+    "tensor_parallel_splits_the_sequence": (
         {"model_size": "8b", "tensor_parallel": 8, "seq_len": 8188},
-        "seq_len",
-        "must be a multiple of tensor_parallel=8",
+        "tensor_parallel",
+        "answer 1, 2 or 4 (seq_len)",
     ),
+    # On 8 GiB GPUs 131,072 tokens need every sequence split over more than 8 / tensor_parallel GPUs of the node: with
+    # tensor parallelism 8 no context-parallel degree is left to do that.
+    "tensor_parallel_leaves_no_plan": (
+        {"model_size": "8b", "seq_len": 131072, "tensor_parallel": 8, "gpu_memory_gb": 8},
+        "tensor_parallel",
+        "'tensor_parallel': answer 4",
+    ),
+    # On 40 GiB GPUs no plan takes a whole 131,071-token sequence, and no split takes an odd length: the nearest
+    # lengths the one that would fit takes (tensor parallelism 2: multiples of 2).
+    "sequence_no_split_takes": (
+        {"seq_len": 131071, "gpu_memory_gb": 40},
+        "seq_len",
+        "a multiple of 2: 131070 or 131072",
+    ),
+    # A refusal does not grow with the number typed.
+    "micro_batch_far_too_large": ({"model_size": "8b", "micro_batch_size": 100000}, "micro_batch_size", ": 1 fits"),
     # Context parallelism: a sequence no degree fits, and degrees that cannot split it.
     "sequence_too_long_even_split": (
-        {"gpu_memory_gb": 12, "seq_len": 131072},
+        {"gpu_memory_gb": 6, "seq_len": 131072},
         "seq_len",
-        "65536 tokens fit: 131072 need 14.0 GiB per GPU, 10.8 usable",
+        "100608 fit: this needs 6.5 GiB/GPU",
     ),
     "context_parallel_beyond_node": (
         {"seq_len": 131072, "context_parallel": 16},
         "context_parallel",
-        "answer 1, 2, 4 or 8 (divides gpus_per_node=8)",
+        "answer 1, 2, 4 or 8 (8 GPUs)",
     ),
     "context_parallel_splits_heads": (
         {"model_size": "125m", "seq_len": 2048, "context_parallel": 8},
         "context_parallel",
-        "answer 1, 2 or 4 (divides 125m's n_heads=12)",
+        "answer 1, 2 or 4 (12 heads)",
     ),
     "context_parallel_splits_the_sequence": (
         {"seq_len": 8200, "context_parallel": 8},
         "context_parallel",
-        "answer 1, 2 or 4 (2 x it divides seq_len=8200)",
+        "answer 1, 2 or 4 (seq_len)",
     ),
     "context_parallel_too_small": (
-        {"gpu_memory_gb": 16, "seq_len": 131072, "context_parallel": 4},
+        {"gpu_memory_gb": 12, "seq_len": 131072, "context_parallel": 4},
         "context_parallel",
-        "answer 8: 4 needs 21.6 GiB per GPU, 14.4 usable",
+        "answer 8: needs 14.1 GiB/GPU",
     ),
     "context_parallel_without_a_plan": (
         {"model_type": "custom", "context_parallel": 2},
         "context_parallel",
-        "answer 1 (custom has no plan for it)",
+        "answer 1 (no plan for custom)",
     ),
     "context_parallel_zero": ({"context_parallel": 0}, "context_parallel", "must be at least 1"),
     "context_parallel_with_ddp": (
         {"seq_len": 131072, "context_parallel": 8, "sharding": "no_shard"},
         "sharding",
-        "choose full: DDP is not combined with context_parallel=8",
+        "choose full or shard_grad_op: not with context_parallel=8",
     ),
     "no_gpus": ({"gpus_per_node": 0}, "gpus_per_node", "between 1 and 128"),
     "zero_gpu_memory": ({"gpu_memory_gb": 0}, "gpu_memory_gb", "between 1 and 1024"),
@@ -183,12 +219,16 @@ REFUSED = {
     "chats_for_an_image_model": (
         {"model_type": "vit", "data_source": "sft"},
         "data_source",
-        "for vit: choose image_folder",
+        "for vit: image_folder or synthetic",
     ),
     "lora_for_vit": ({"model_type": "vit", "finetune": "lora"}, "finetune", "LoRA adapts only llama and hf_causal_lm"),
     "lora_for_custom": ({"model_type": "custom", "finetune": "lora"}, "finetune", "choose full"),
-    "lora_with_float8": ({"finetune": "lora", "float8": "tensorwise"}, "float8", "choose none: finetune=lora"),
-    "lora_with_tp": ({"finetune": "lora", "tensor_parallel": 2}, "tensor_parallel", "finetune=lora does not split"),
+    "lora_with_float8": (
+        {"finetune": "lora", "float8": "tensorwise"},
+        "float8",
+        "choose none: LoRA adapts those layers",
+    ),
+    "lora_with_tp": ({"finetune": "lora", "tensor_parallel": 2}, "tensor_parallel", "answer 1 (finetune=lora)"),
     "hf_export_of_a_vit": (
         {"model_type": "vit", "checkpoint_export": "hf"},
         "checkpoint_export",
@@ -197,24 +237,24 @@ REFUSED = {
     "moe_on_six_gpus": (
         {"model_type": "qwen3_moe", "gpus_per_node": 6},
         "model_type",
-        "choose llama: experts shard over 2^n GPUs, not 6",
+        "its experts need 2^n GPUs, not 6",
     ),
-    "moe_preset_for_llama": ({"model_size": "30b-a3b"}, "model_size", "an MoE preset: only for model_type qwen3_moe"),
+    "moe_preset_for_llama": ({"model_size": "30b-a3b"}, "model_size", "only for model_type qwen3_moe"),
     "dense_preset_for_moe": (
         {"model_type": "qwen3_moe", "model_size": "8b"},
         "model_size",
-        "a dense preset: for qwen3_moe choose moe-debug, 30b-a3b, 235b-a22b",
+        "for qwen3_moe: moe-debug, 30b-a3b or 235b-a22b",
     ),
     "expert_parallel_across_nodes": (
         {"model_type": "qwen3_moe", "num_nodes": 2, "expert_parallel": 16},
         "expert_parallel",
-        "answer 1, 2, 4 or 8 (divides gpus_per_node=8)",
+        "answer 1, 2, 4 or 8 (8 GPUs)",
     ),
     "expert_parallel_zero": ({"model_type": "qwen3_moe", "expert_parallel": 0}, "expert_parallel", "at least 1"),
     "expert_parallel_with_ddp": (
         {"model_type": "qwen3_moe", "expert_parallel": 8, "sharding": "no_shard"},
         "sharding",
-        "choose full or shard_grad_op: DDP is not combined with expert_parallel=8",
+        "choose full or shard_grad_op: not with expert_parallel=8",
     ),
     "lora_for_moe": (
         {"model_type": "qwen3_moe", "finetune": "lora"},
@@ -240,7 +280,7 @@ REFUSED = {
 
 @pytest.mark.parametrize("case", REFUSED)
 def test_refused_with_the_question_named_and_nothing_written(tmp_path, case):
-    """And the refusal fits a 100-column terminal, as a typed answer's refusal or a disabled choice."""
+    """And the refusal fits an 80-column terminal, as a typed answer's refusal or a disabled choice."""
     answers, question, reason = REFUSED[case]
     dst = tmp_path / "project"
     with pytest.raises(ValueError) as refusal:
@@ -251,7 +291,7 @@ def test_refused_with_the_question_named_and_nothing_written(tmp_path, case):
     assert not dst.exists()
     if case != "unknown_size":  # not a choice: a terminal never offers it
         line = refusal_line(question, answers[question], message)
-        assert columns(line) <= COLUMNS, f"{columns(line)} columns: {line}"
+        assert fits(line), f"{columns(line)} of {COLUMNS} columns: {line}"
 
 
 def test_every_question_that_can_refuse_has_a_case_here():
@@ -272,31 +312,34 @@ def test_every_question_that_can_refuse_has_a_case_here():
 @pytest.mark.parametrize(
     "case",
     ["8b_ddp_does_not_fit", "ac_none_cannot_fit", "offload_needed", "70b_sequence_too_long", "offload_host_memory",
-     "async_checkpoint_host_memory", "sequence_too_long_even_split"],
+     "activation_offload_host_memory", "async_checkpoint_host_memory", "sequence_too_long_even_split",
+     "sequence_no_split_takes", "micro_batch_far_too_large", "tensor_parallel_leaves_no_plan"],
 )  # fmt: skip
 def test_the_fix_a_memory_refusal_names_is_accepted(tmp_path, case):
-    """A refusal ends in `choose question=value` (or `N tokens fit`); taking that advice renders."""
+    """A refusal starts with its fix (`choose ...`, `N fit`, `a multiple of M: A or B`, `answer ...`); taking each
+    answer it offers renders, and the repo records it."""
     answers, question, _ = REFUSED[case]
     with pytest.raises(ValueError) as refusal:
-        render(tmp_path / "refused", answers)
-    message = str(refusal.value)
-    advice = (re.search(rf"choose .*?\b{question}=(\w+)", message) or re.search(r": (\d+) tokens fit", message)
-              or re.search(r"choose (dcp)\b", message))  # fmt: skip
-    assert advice, message
-    value = yaml.safe_load(advice.group(1))
-    dst = render(tmp_path / "accepted", {**answers, question: value})
-    assert yaml.safe_load((dst / ".copier-answers.yml").read_text())[question] == value
+        render(tmp_path / "refused", answers, pretend=True)
+    offers = suggestions(str(refusal.value))
+    assert offers, str(refusal.value)
+    for i, offer in enumerate(offers):
+        recorded = answers_of(render(tmp_path / f"accepted{i}", {**answers, **offer}))
+        assert {k: recorded[k] for k in offer} == offer and misfit(recorded) == "", (offer, recorded)
 
 
 def test_70b_on_one_gpu_renders_with_the_host_memory_it_needs(tmp_path):
-    """The plan 70b_host_memory refuses, on a node with 2 TiB: CPU offload, and PLAN.md's host column says why."""
+    """The plan 70b_host_memory refuses, on a node with 2 TiB: CPU offload, the preset's 8,192 tokens with the blocks'
+    inputs parked in host memory too, and PLAN.md's host column says why."""
     root = render(tmp_path / "p", {**REFUSED["70b_host_memory"][0], "host_memory_gb": 2048})
     answers = answers_of(root)
     assert (answers["cpu_offload"], answers["sharding"], misfit(answers)) == (True, "full", "")
     plan = (root / "PLAN.md").read_text()
     assert "| peak (GiB) | host per node (GiB) | fits |" in plan
-    assert "| **full** | yes | 0.0 | 11.9 | 6.8 | 18.7 | 1073.5 | yes |" in plan
-    assert "| offload | 1051.3 GiB |" in plan and "| **peak** | **1073.5 GiB** |" in plan
+    assert answers["seq_len"] == 8192
+    assert "| **full** | yes | 0.0 | 11.9 | 7.2 (+ 9.8 parked) | 19.1 | 1083.2 | yes |" in plan
+    assert "| offload | 1051.3 GiB |" in plan and "| **peak** | **1083.2 GiB** |" in plan
+    assert "| activation offload | 9.8 GiB |" in plan and "## Activation offload: yes" in plan
     assert "host_memory_gb = 2048" in (root / "configs" / "70b.toml").read_text()
 
 
@@ -346,26 +389,29 @@ def test_the_planners_defaults_are_always_allowed_and_fit(tmp_path, hardware):
 
 def suggestions(message: str) -> list[dict]:
     """The answers a refusal tells the user to give, one dict per alternative it offers: "choose a=x, b=y and
-    c=z: ...", "choose fp16 or fp32: ...", "choose nccl or sharding=no_shard: ...", "answer 1, 2 or 4 (...)",
-    "answer 1 with sharding=full: ...", "2048 tokens fit with micro_batch_size=1: ...", "1 fits: ..."."""
+    c=z: ...", "choose full, sharding=full" (the refused question's own answer bare), "choose fp16 or fp32: ...",
+    "choose nccl or sharding=no_shard: ...", "answer 1, 2 or 4 (...)", "answer 1 with sharding=full: ...",
+    "2048 fit with micro_batch_size=1: ...", "1 fits", "a multiple of 8: 131064 or 131072"."""
     question, text = re.match(r"[^']*'(\w+)': (.*)", message, re.S).groups()
 
     def answers(offer: str) -> dict:
         pairs = [item.partition("=") for item in re.split(r", | and ", offer)]
         return {k if eq else question: yaml.safe_load(v if eq else k) for k, eq, v in pairs}
 
-    if found := re.match(r"choose (.+?)(?: \(\d+\.\d GiB\))?: ", text):
+    if found := re.match(r"choose (.+?)(?: \(\d+\.\d GiB\))?(?:: |$)", text):
         offer = found.group(1)
         return [answers(alt) for alt in re.split(r", | or ", offer)] if " or " in offer else [answers(offer)]
-    if found := re.match(r"answer (.+?)(?: \(|: )", text):
+    if found := re.match(r"answer (.+?)(?: \(|: |$)", text):
         offer, _, rest = found.group(1).partition(" with ")
         return (
             [{question: int(offer), **(answers(rest) if rest else {})}]
             if rest
             else [{question: int(t)} for t in re.split(r", | or ", offer)]
         )
-    if found := re.match(r"(\d+) (?:tokens fit|fits?)(?: with (.+?))?: ", text):
+    if found := re.match(r"(\d+) (?:tokens fit|fits?)(?: with (.+?))?(?:: |$)", text):
         return [{question: int(found.group(1)), **(answers(found.group(2)) if found.group(2) else {})}]
+    if found := re.match(r"a multiple of \d+: (.+)$", text):
+        return [{question: int(n)} for n in found.group(1).split(" or ")]
     return []
 
 
@@ -381,22 +427,17 @@ def refusal_of(tmp_path, answers: dict) -> str:
 VOLTA = {"gpu_arch": "volta", "gpus_per_node": 8, "gpu_memory_gb": 32, "model_type": "custom", "model_size": "8b",
          "micro_batch_size": 1, "intra_node_link": "pcie", "sharding": "no_shard", "cpu_offload": False,
          "zero_optimizer": False, "activation_checkpointing": "selective", "customize": True,
-         "seq_len": 32768}  # fmt: skip
+         "seq_len": 49152}  # fmt: skip
 
 
 def test_a_refusal_names_every_answer_its_fix_changes_and_following_it_renders(tmp_path):
     message = refusal_of(tmp_path, VOLTA)
-    assert message == (
-        "Invalid choice for 'activation_checkpointing': choose activation_checkpointing=full, sharding=full and "
-        "cpu_offload=true: at best 21.6 GiB per GPU, 28.8 usable"
-    )
-    # Following only the first answer of it, the next refusal asks for the rest, with the same figure: the
-    # suggested plan's, not the refused one's.
+    # The figure does not fit beside so long a fix in a terminal (the disabled choice "   - selective (...)").
+    assert message == ("Invalid choice for 'activation_checkpointing': choose full, sharding=full and cpu_offload=true")
+    # Following only the first answer of it, the next refusal asks for the rest, with the suggested plan's figure, not
+    # the refused one's.
     half = refusal_of(tmp_path, {**VOLTA, "activation_checkpointing": "full"})
-    assert half == (
-        "Invalid choice for 'sharding': choose sharding=full and cpu_offload=true: "
-        "at best 21.6 GiB per GPU, 28.8 usable"
-    )
+    assert half == "Invalid choice for 'sharding': choose full and cpu_offload=true: at best 17.9 GiB/GPU"
     (fix,) = suggestions(message)
     root = render(tmp_path / "fixed", {**VOLTA, **fix})
     recorded = answers_of(root)

@@ -1,14 +1,14 @@
-"""Float8, tensor, context and expert parallelism, activation checkpointing, compile and FSDP, applied to a
-model on the meta device.
+"""Float8, tensor, context and expert parallelism, activation checkpointing and offload, compile and FSDP,
+applied to a model on the meta device.
 
 `parallelize` is the one place that applies them, in torchtitan's order: float8 layers, then split
 each layer over the tensor-parallel ranks, swap attention for its context-parallel form
 (context_parallel.py) and split the experts over the expert-parallel ranks (expert_parallel.py),
-checkpoint each block, compile each block, then shard each block and finally the root over the
-data-parallel (and context-parallel) ranks. Each step only works on what the one before it left (FSDP
-shards the DTensors that TP and EP made; the checkpoint wrappers rename the modules TP and CP find by
-path; compile sees the wrappers), so the order is not a matter of taste. This is the only file that
-calls `parallelize_module` and `fully_shard`.
+checkpoint each block, park the inputs it keeps in host memory (activation_offload.py), compile each
+block, then shard each block and finally the root over the data-parallel (and context-parallel) ranks.
+Each step only works on what the one before it left (FSDP shards the DTensors that TP and EP made; the
+checkpoint wrappers rename the modules TP and CP find by path; compile sees the wrappers), so the order
+is not a matter of taste. This is the only file that calls `parallelize_module` and `fully_shard`.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from .activation_offload import apply_activation_offload
 from .config import JOB_WIDE, ParallelConfig, UsageError
 from .context_parallel import apply_cp
 from .distributed import data_parallel_mesh
@@ -57,14 +58,15 @@ def parallelize(
     one_rank: bool = False,
 ) -> None:  # fmt: skip
     """Make the model on the meta device what `parallel` asks for, in place: float8 -> TP -> CP -> EP -> AC ->
-    compile -> FSDP.
+    activation offload -> compile -> FSDP.
 
     `mesh` is distributed.build_mesh's (None for DDP, which strategy.py wraps once the weights are in);
     `tp_plan` and `cp_plan` the model's tensor- and context-parallel plans, used when the mesh has a "tp"
     or a "cp" dimension; `adapter_rank` LoRA's rank (0: no adapters), which selective checkpointing
     recomputes rather than keeps; `expert_mesh` distributed.expert_mesh's, whose "ep" ranks split the
     experts (None: every rank holds every expert); `one_rank` that the run has nothing to shard
-    (strategy.shards_nothing): no FSDP then, and compile takes the whole model, as the plain loop does.
+    (strategy.shards_nothing): no FSDP then, and compile takes the whole model, as the plain loop does (block by
+    block with activation offload, whose hooks run between the compiled blocks).
     """
     sharded = parallel.sharding != "no_shard" and not one_rank
     apply_float8(model.layers, parallel.float8, fsdp=sharded)
@@ -76,7 +78,11 @@ def parallelize(
     if expert_mesh is not None:
         apply_ep(model.layers, expert_mesh["ep"])
     apply_ac(model.layers, parallel.activation_checkpointing, adapter_rank=adapter_rank)
-    if parallel.compile and one_rank:
+    if parallel.activation_offload:
+        parking = apply_activation_offload(model.layers)  # its hooks run around compiled blocks: blocks to hook
+        logger.info("activation offload: the inputs of %d of %d blocks wait for backward in host memory",
+                    parking.parked_blocks, len(model.layers))  # fmt: skip
+    if parallel.compile and one_rank and not parallel.activation_offload:
         apply_compile_whole(model, parallel.compile_backend)
     elif parallel.compile:
         # The all-to-all's split sizes are data: an expert-parallel block compiles in pieces around it.

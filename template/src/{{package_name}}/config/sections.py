@@ -105,6 +105,8 @@ class ParallelConfig:
     """no_shard only: split AdamW's state across ranks with ZeroRedundancyOptimizer (ZeRO-1)."""
     activation_checkpointing: Literal["none", "selective", "full"] = "none"
     """Recompute activations in backward: none, selective (keep matmul/attention outputs), full (keep block inputs)."""
+    activation_offload: bool = False
+    """Park the block inputs that checkpointing keeps in pinned host memory until backward (activation_offload.py)."""
     grad_sync_every_microbatch: bool = False
     """Reduce gradients after every micro-batch (more traffic, but they stay sharded) instead of only the last."""
     compile: bool = False
@@ -136,6 +138,11 @@ class ParallelConfig:
                 not (self.zero_optimizer and sharded),
                 f"parallel.zero_optimizer needs parallel.sharding=no_shard: sharding={self.sharding} already splits "
                 "the optimizer state",
+            ),
+            (
+                not (self.activation_offload and self.activation_checkpointing == "none"),
+                "parallel.activation_offload parks the block inputs activation checkpointing keeps, and "
+                "parallel.activation_checkpointing=none keeps none: set it to full or selective",
             ),
             (self.prefetch_blocks >= 0, f"parallel.prefetch_blocks={self.prefetch_blocks} must be 0 or more"),
             (

@@ -18,12 +18,15 @@ Each formula is written once here, in the docstring of the function that compute
                        activation_bytes_per_token: what a block keeps per token, which the model's
                        shape declares (models/llama/shape.py, each other model's own); block_gather_bytes,
                        adapter_params (LoRA), grad_accum, planned_degrees (distributed.Degrees on the
-                       planned hardware: the shard group, the data-parallel ranks)
+                       planned hardware: the shard group, the data-parallel ranks), parked_bytes
+                       (activation offload's block inputs in host memory)
     host.py            host_memory_plan: a node's RAM by term and its peak (HostPlan.total);
                        check_host_memory, which refuses a node without room and names what fits
     communication.py   communication_bytes (FSDP and DDP), tensor_parallel_bytes, context_parallel_bytes,
-                       expert_parallel_bytes (the all-to-alls), step_seconds
-    choice.py          cheapest / recommend (sharding, activation checkpointing, offload),
+                       expert_parallel_bytes (the all-to-alls), activation_offload_bytes (the host
+                       link), step_seconds
+    choice.py          cheapest / recommend (sharding, activation checkpointing, CPU and activation offload),
+                       needs_activation_offload (whether a plan fits only with its block inputs parked),
                        recommend_tensor_parallel and recommend_expert_parallel (the degrees, from their
                        estimate_* functions) and recommend_context_parallel (the smallest degree with
                        which the sequence fits)
@@ -37,20 +40,27 @@ from ..presets import HEADROOM, HOST_MEMORY
 from .check import check_plan, device_memory_gb
 from .choice import (
     DegreeEstimate,
+    PlanChoice,
     cheapest,
     context_parallel_degrees,
     estimate_expert_parallel,
     estimate_tensor_parallel,
     expert_parallel_degrees,
+    longest_fitting_seq_len,
+    needs_activation_offload,
     recommend,
     recommend_context_parallel,
     recommend_expert_parallel,
     recommend_tensor_parallel,
+    seq_len_multiple,
     sharding_candidates,
     tensor_parallel_degrees,
+    tensor_parallel_estimates,
 )
 from .communication import (
     ARCH_TFLOPS,
+    activation_offload_bytes,
+    activation_offload_seconds,
     communication_bytes,
     context_parallel_bytes,
     context_parallel_seconds,
@@ -72,6 +82,7 @@ from .memory import (
     grad_accum,
     lora_of,
     memory_plan,
+    parked_bytes,
     plan_for,
     planned_degrees,
     sequence_parallel,
@@ -87,7 +98,10 @@ __all__ = [
     "DegreeEstimate",
     "HostPlan",
     "MemoryPlan",
+    "PlanChoice",
     "activation_bytes_per_token",
+    "activation_offload_bytes",
+    "activation_offload_seconds",
     "adapter_params",
     "block_gather_bytes",
     "cheapest",
@@ -106,18 +120,23 @@ __all__ = [
     "grad_accum",
     "host_memory_plan",
     "host_plan_for",
+    "longest_fitting_seq_len",
     "lora_of",
     "memory_plan",
+    "needs_activation_offload",
+    "parked_bytes",
     "plan_for",
     "planned_degrees",
     "recommend",
     "recommend_context_parallel",
     "recommend_expert_parallel",
     "recommend_tensor_parallel",
+    "seq_len_multiple",
     "sequence_parallel",
     "sharding_candidates",
     "step_seconds",
     "tensor_parallel_bytes",
     "tensor_parallel_degrees",
+    "tensor_parallel_estimates",
     "tensor_parallel_seconds",
 ]

@@ -20,7 +20,7 @@ from ..config import (
 )
 from ..models import ModelConfig, model_spec
 from ..presets import HEADROOM
-from .choice import cheapest, context_parallel_degrees
+from .choice import cheapest, context_parallel_degrees, longest_fitting_seq_len, needs_activation_offload
 from .host import check_host_memory
 from .memory import GIB, plan_for
 
@@ -135,22 +135,28 @@ def device_fix(
     *, model: ModelConfig, train: TrainConfig, parallel: ParallelConfig, hardware: HardwareConfig,
     finetune: FinetuneConfig, checkpoint: CheckpointConfig, memory_gb: float,
 ) -> str:  # fmt: skip
-    """The settings with which the plan fits a device of `memory_gb`: the planner's cheapest choice for it,
-    with a smaller micro-batch (the same global batch, more accumulation), then a larger context-parallel
-    degree (the sequence split over more ranks of a node), then a shorter sequence where the config's fits
-    no choice. Only what differs from the config is named."""
+    """The settings with which the plan fits a device of `memory_gb`: activation offload alone where it fits so
+    (what copier would have rendered), else the planner's cheapest choice for it, with a smaller micro-batch (the
+    same global batch, more accumulation), then a larger context-parallel degree (the sequence split over more
+    ranks of a node), then the longest sequence that fits (longest_fitting_seq_len) where the config's fits no
+    choice. Only what differs from the config is named."""
     live, cp = replace(hardware, gpu_memory_gb=memory_gb), parallel.context_parallel
+    args = dict(model=model, train=train, parallel=parallel, hardware=live, finetune=finetune)
+    if not parallel.activation_offload and needs_activation_offload(**args):
+        return f"set parallel.activation_offload=true (`python -m {PACKAGE} --config <file>` shows every option)"
     smaller = [(train.micro_batch_size // 2**i, train.seq_len, cp) for i in range(12)]
     degrees = context_parallel_degrees(model=model, train=train, parallel=parallel, hardware=live)
     split = [(1, train.seq_len, c) for c in degrees if c > cp]
-    shorter = [(1, train.seq_len // 2**i, cp) for i in range(1, 8) if train.seq_len // 2**i % (2 * cp) == 0 or cp == 1]
-    for micro, seq, c in dict.fromkeys(x for x in smaller + split + shorter if min(x) >= 1):
+    one = replace(train, micro_batch_size=1)
+    longest = longest_fitting_seq_len(model=model, train=one, parallel=parallel, hardware=live, finetune=finetune,
+                                      checkpoint=checkpoint, longest=train.seq_len)  # fmt: skip
+    for micro, seq, c in dict.fromkeys(x for x in smaller + split + [(1, longest, cp)] if min(x) >= 1):
         trial = replace(train, micro_batch_size=micro, seq_len=seq)
         found = cheapest(model=model, train=trial, parallel=replace(parallel, context_parallel=c), hardware=live,
                          finetune=finetune, checkpoint=checkpoint)  # fmt: skip
         if found is None:
             continue
-        ac, sharding, offload = found
+        ac, sharding, offload, parked = found
         changes = [
             f"{name}={str(value).lower() if isinstance(value, bool) else value}"
             for name, value, now in [
@@ -160,6 +166,7 @@ def device_fix(
                 ("parallel.activation_checkpointing", ac, parallel.activation_checkpointing),
                 ("parallel.sharding", sharding, parallel.sharding),
                 ("parallel.cpu_offload", offload, parallel.cpu_offload),
+                ("parallel.activation_offload", parked, parallel.activation_offload),
             ]
             if value != now
         ]

@@ -9,8 +9,15 @@ from __future__ import annotations
 from ..config import FinetuneConfig, HardwareConfig, ParallelConfig, TrainConfig
 from ..distributed import parallel_degrees
 from ..models import ModelShape
-from ..presets import GPU_ARCHS, LINK_GBPS, LORA, PEAK_TFLOPS
-from .memory import adapter_params, block_gather_bytes, lora_of, planned_degrees
+from ..presets import ACTIVATION_OFFLOAD, GPU_ARCHS, LINK_GBPS, LORA, PEAK_TFLOPS
+from .memory import (
+    activation_bytes_per_token,
+    adapter_params,
+    block_gather_bytes,
+    lora_of,
+    parked_bytes,
+    planned_degrees,
+)
 
 # Peak TFLOP/s by generation (its flagship device's), for the compute side of the estimates; XPU and CPU
 # plans assume an A100.
@@ -116,6 +123,30 @@ def expert_parallel_bytes(s: ModelShape, precision: str, ac: str, expert_paralle
     p, e = (4 if precision == "fp32" else 2), expert_parallel
     c = 6 if ac == "full" else 4
     return c * tokens * s.top_k * s.h * p * (e - 1) / e * s.sparse_layers
+
+
+def activation_offload_bytes(
+    s: ModelShape, precision: str, tokens: float, tensor_parallel: int = 1, sequence_parallel: bool = True,
+    context_parallel: int = 1,
+) -> float:  # fmt: skip
+    """Bytes a GPU moves over its host link per step for activation offload: 2 T (L - K) b, for T = `tokens` a rank
+    holds per step (its micro-batches' together), b a block's input per token (activation_bytes_per_token's full:
+    what full checkpointing keeps) and K = ACTIVATION_OFFLOAD["keep"]. Each parked input goes to the host in forward
+    and comes back in backward; the copies run on a side stream and overlap compute (activation_offload.py)."""
+    block_input = activation_bytes_per_token(
+        s, precision, "full", tensor_parallel=tensor_parallel, sequence_parallel=sequence_parallel,
+        context_parallel=context_parallel,
+    )  # fmt: skip
+    return 2 * parked_bytes(s, tokens, block_input)
+
+
+def activation_offload_seconds(sent: float, *, hardware: HardwareConfig) -> float:
+    """Seconds to move `sent` bytes (activation_offload_bytes) over a GPU's host link: ACTIVATION_OFFLOAD's host_gbps
+    of the planned generation (a Hopper's where there is none to name); 0 on CPU ranks, which copy in memory."""
+    if not sent or hardware.accelerator == "cpu":
+        return 0.0
+    kind = hardware.gpu_arch if hardware.accelerator == "cuda" else hardware.accelerator
+    return sent / (ACTIVATION_OFFLOAD["host_gbps"].get(kind, ACTIVATION_OFFLOAD["host_gbps"]["hopper"]) * 1e9)
 
 
 def link_seconds(sent: dict, *, hardware: HardwareConfig) -> float:

@@ -32,12 +32,19 @@ class HostPlan:
     """What loading holds: `load`, and the parameters already allocated."""
     export: float
     os: float
+    parked: float = 0.0
+    """Block inputs that activation offload keeps in pinned host memory during a step."""
 
     @property
     def total(self) -> float:
         """Peak bytes of the node. Loading ends before training starts, and the last async save may still be
-        written while the export runs: runtime + os + max(start, state + device + staging + export)."""
-        return self.runtime + self.os + max(self.start, self.state + self.device + self.staging + self.export)
+        written while the export runs: runtime + os + max(start, state + device + parked + staging + export)."""
+        return self.runtime + self.os + max(self.start, self.training)
+
+    @property
+    def training(self) -> float:
+        """What training holds, besides the runtime and the OS."""
+        return self.state + self.device + self.parked + self.staging + self.export
 
     def fits(self, host_memory_gb: float) -> bool:
         """Whether the peak fits a node of this much RAM; 0 (unknown) always does. HOST_MEMORY["headroom"]
@@ -46,11 +53,12 @@ class HostPlan:
 
     def describe(self) -> str:
         """The terms that make up the peak, in GiB, so that a refusal says what to shrink."""
-        if self.start > self.state + self.device + self.staging + self.export:
+        if self.start > self.training:
             terms = {"runtime": self.runtime, "loading weights": self.start}
         else:
             terms = {"runtime": self.runtime, "offload": self.state, "CPU ranks": self.device,
-                     "async staging": self.staging, "export": self.export}  # fmt: skip
+                     "activation offload": self.parked, "async staging": self.staging,
+                     "export": self.export}  # fmt: skip
         terms["OS"] = self.os
         return ", ".join(f"{name} {n / GIB:.1f}" for name, n in terms.items() if n) + " GiB"
 
@@ -69,6 +77,8 @@ def host_memory_plan(
                  torch, the accelerator's libraries; tests/test_plan.py measures a CPU rank's)
         state    r (params + grads + optim) with CPU offload (CPUOffloadPolicy keeps them on the host)
         device   r x peak on CPU ranks, whose device memory is host memory
+        parked   r x the memory plan's parked: the block inputs activation offload keeps in pinned host
+                 memory from a block's forward to its backward (on CPU ranks too: there a copy)
         staging  r (params + optim) with dcp_async: async_save copies each rank's checkpoint shard to
                  host memory and writes it while training goes on
         load     r c 4 Lmax: a whole fp32 tensor in transit per rank (a slice read from init_from,
@@ -82,8 +92,9 @@ def host_memory_plan(
         os       HOST_MEMORY["os_gb"]: the kernel, system services, the launcher
 
     start = load + the parameters alive then (r x params with offload or on CPU ranks); HostPlan.total is
-    the peak. The loaders start no worker processes by default and map token files (the kernel's page
-    cache), so the data adds no term.
+    the peak (the pinned allocator rounds each parked block up to a power of two: the usual sizes are). The
+    loaders start no worker processes by default and map token files (the kernel's page cache), so the data
+    adds no term.
     """
     r, world, cpu = gpus_per_node, gpus_per_node * num_nodes, accelerator == "cpu"
     p = 4 if precision == "fp32" else 2
@@ -102,6 +113,7 @@ def host_memory_plan(
         start=load + resident,
         export=out,
         os=HOST_MEMORY["os_gb"] * GIB,
+        parked=r * m.parked,
     )
 
 
@@ -154,8 +166,8 @@ def host_fixes(
     finetune: FinetuneConfig, checkpoint: CheckpointConfig, ranks_per_node: int, ram_gib: float,
 ) -> str:  # fmt: skip
     """The changes with which the host plan fits a node of `ram_gib` and the device plan its GPU, each
-    alone: fewer ranks per node, no offload, synchronous checkpoints, more nodes (the same ranks per node,
-    re-planned); both settings together where neither does alone."""
+    alone: fewer ranks per node, no offload (of the model state, or of the activations), synchronous checkpoints,
+    more nodes (the same ranks per node, re-planned); both settings together where neither does alone."""
 
     def fits(r: int = ranks_per_node, **changes) -> bool:
         p = replace(parallel, **{k: v for k, v in changes.items() if k != "format" and k != "num_nodes"})
@@ -172,6 +184,8 @@ def host_fixes(
         fixes.append(f"at most {fewer} rank{'s' if fewer > 1 else ''} per node")
     if parallel.cpu_offload and fits(cpu_offload=False):
         fixes.append("parallel.cpu_offload=false")
+    if parallel.activation_offload and fits(activation_offload=False):
+        fixes.append("parallel.activation_offload=false")
     if checkpoint.format == "dcp_async" and fits(format="dcp"):
         fixes.append("checkpoint.format=dcp")
     both = parallel.cpu_offload and checkpoint.format == "dcp_async"

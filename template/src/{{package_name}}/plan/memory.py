@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from ..config import FinetuneConfig, HardwareConfig, ParallelConfig, TrainConfig
 from ..distributed import Degrees, parallel_degrees
 from ..models import ModelConfig, ModelShape, model_shape, model_spec
-from ..presets import HEADROOM, LORA, LOSS_CHUNK
+from ..presets import ACTIVATION_OFFLOAD, HEADROOM, LORA, LOSS_CHUNK
 
 GIB = 2**30
 SHARDINGS = ("no_shard", "shard_grad_op", "full", "hybrid")
@@ -34,6 +34,8 @@ class MemoryPlan:
     """Bytes kept in host memory by CPU offload."""
     dispatch: float = 0.0
     """Expert parallelism's all-to-all buffers in a sparse layer (0 without)."""
+    parked: float = 0.0
+    """Block inputs that activation offload keeps in host memory (0 without); not on the device."""
 
     @property
     def total(self) -> float:
@@ -60,7 +62,7 @@ def memory_plan(
     cpu_offload: bool, gpus_per_node: int, num_nodes: int, grad_accum: int = 1, sync_every_microbatch: bool = False,
     zero_optimizer: bool = False, prefetch_blocks: int = 0, float8: str = "none", lora_rank: int = 0,
     lora_targets: str = LORA["targets"], tensor_parallel: int = 1, sequence_parallel: bool = True,
-    context_parallel: int = 1, expert_parallel: int = 1, loss_chunk: int = LOSS_CHUNK,
+    context_parallel: int = 1, expert_parallel: int = 1, loss_chunk: int = LOSS_CHUNK, activation_offload: bool = False,
 ) -> MemoryPlan:  # fmt: skip
     """Bytes per rank of each term, for the model's shape `s` (P parameters, Pb per block, Pn outside the
     blocks, L blocks, vocabulary V), p bytes per element of the compute dtype, G = the shard group's ranks
@@ -91,6 +93,10 @@ def memory_plan(
         grads_live  the gradients alive during the forward pass: none with one micro-batch a step
                     (zero_grad(set_to_none) frees them first); with accumulation the sharded 4P / G t,
                     or 4P / t where FSDP keeps unsharded fp32 gradients until the last micro-batch.
+        parked      with activation offload (and checkpointing): T (L - K) b, the inputs of all blocks but
+                    the last K = ACTIVATION_OFFLOAD["keep"], which wait for backward in host memory
+                    (activation_offload.py) and leave the activations; b is a block's input per token,
+                    what full checkpointing keeps (a_full).
 
     With LoRA (lora_rank r > 0) the P weights are frozen and A = L Ab adapter parameters train
     (Ab = adapter_params): params (p P + 4A) / G t, since frozen weights are stored in the compute
@@ -139,10 +145,17 @@ def memory_plan(
     logits = (s.logits or seq_len) * micro_batch_size / context_parallel
     extra = per_layer("none") if ac == "full" else 0  # the one block being recomputed in backward
     loss = loss_bytes(s, positions=logits, p=p, loss_chunk=loss_chunk, tensor_parallel=t, trained_head=not lora_rank)
-    activations = tokens * (s.L * per_layer(ac) + extra) + loss
+    parked = parked_bytes(s, tokens, per_layer("full")) if activation_offload and ac != "none" else 0
+    activations = tokens * (s.L * per_layer(ac) + extra) + loss - parked
     host = params + grads + optim if cpu_offload else 0
     dispatch = 2 * tokens * s.top_k * s.h * p if expert_parallel > 1 and s.sparse_layers else 0
-    return MemoryPlan(params, grads, optim, grads_live, gathered, gradbuf, activations, host, dispatch)
+    return MemoryPlan(params, grads, optim, grads_live, gathered, gradbuf, activations, host, dispatch, parked)
+
+
+def parked_bytes(s: ModelShape, tokens: float, block_input: float) -> float:
+    """memory_plan's parked: the inputs (`block_input` bytes per token, of `tokens`) of all blocks but the last
+    ACTIVATION_OFFLOAD["keep"]. tests/test_activation_offload.py counts what the offload's hooks hold."""
+    return tokens * max(s.L - ACTIVATION_OFFLOAD["keep"], 0) * block_input
 
 
 def loss_bytes(
@@ -217,7 +230,7 @@ def sequence_parallel(*, model: ModelConfig, parallel: ParallelConfig) -> bool:
 def plan_for(
     *, model: ModelConfig, train: TrainConfig, parallel: ParallelConfig, hardware: HardwareConfig,
     finetune: FinetuneConfig, sharding: str | None = None, cpu_offload: bool | None = None, ac: str | None = None,
-    zero_optimizer: bool | None = None, method: str | None = None,
+    zero_optimizer: bool | None = None, method: str | None = None, activation_offload: bool | None = None,
 ) -> MemoryPlan:  # fmt: skip
     """The memory plan of these settings on the planned hardware; the keywords after `finetune` replace one
     choice, so the planner and the table can price the alternatives."""
@@ -233,4 +246,5 @@ def plan_for(
         prefetch_blocks=p.prefetch_blocks, float8=p.float8, **lora_of(finetune=finetune, method=method),
         tensor_parallel=p.tensor_parallel, sequence_parallel=sequence_parallel(model=model, parallel=p),
         context_parallel=p.context_parallel, expert_parallel=p.expert_parallel, loss_chunk=train.loss_chunk,
+        activation_offload=p.activation_offload if activation_offload is None else activation_offload,
     )  # fmt: skip

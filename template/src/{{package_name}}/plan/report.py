@@ -103,10 +103,11 @@ def format_table(
         name, sent_gb = sharding + ("+zero" if zero else ""), sum(sent.values()) / 1e9
         row = line(name, "yes" if offload else "no", *sizes, f"  {fits}", f"{sent_gb:.1f}", f"{comm / compute:.2f}")
         rows.append(row + ("   <- this config" if this else ""))
-    ac, sharding, offload = recommend(**args, checkpoint=checkpoint)
+    ac, sharding, offload, parked = recommend(**args, checkpoint=checkpoint)
     rows += [
         "",
-        f"planner's choice: sharding={sharding}, activation_checkpointing={ac}, cpu_offload={offload}",
+        f"planner's choice: sharding={sharding}, activation_checkpointing={ac}, cpu_offload={offload}"
+        + (", activation_offload=True" if parked else ""),
         f"host: RAM of one node ({hw.gpus_per_node} ranks) at its peak; this config's: "
         f"{host_plan_for(**args, checkpoint=checkpoint).describe()}",
         "comm/compute: estimated communication time over compute time per step (40% MFU); above 1, FSDP cannot "

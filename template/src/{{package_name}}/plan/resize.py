@@ -20,6 +20,7 @@ from . import (
     estimate_tensor_parallel,
     grad_accum,
     host_plan_for,
+    longest_fitting_seq_len,
     plan_for,
     planned_degrees,
     recommend,
@@ -104,8 +105,8 @@ def resize(
     hardware's defaults or cannot work on the new one (bf16 before Ampere, nccl off CUDA, xccl off
     XPU); and the planner's sharding, activation checkpointing and offload for `live`, because
     `copier update --defaults` keeps the previous answers to every question not given with -d. Where
-    nothing fits the preset's micro-batch and sequence, the longest of their halvings that fits comes
-    with them (fitting_batch), so that copier accepts the command as printed.
+    nothing fits the preset's micro-batch and sequence, a micro-batch or sequence that fits comes with them
+    (fitting_batch), so that copier accepts the command as printed.
     """
     old, p = hardware, parallel
     answers: dict = {}
@@ -134,7 +135,7 @@ def resize(
     replan = dict(train=train, parallel=parallel, hardware=hardware, live=live)
     if model.preset not in ("debug", "vit-debug", "moe-debug"):  # only preset configs carry the degrees
         answers |= tensor_parallel_answers(**fixed, **with_answers(**replan, answers=answers))
-        if parallel.context_parallel > 1:  # a repo planned without it keeps its sequence, or halves it as before
+        if parallel.context_parallel > 1:  # a repo planned without it keeps its sequence, or the longest that fits
             answers |= context_parallel_answers(**fixed, **with_answers(**replan, answers=answers))
         if model_shape(model).experts:  # the experts' degree for the new node (copier asks it for qwen3_moe)
             degree = recommend_expert_parallel(**fixed, **with_answers(**replan, answers=answers),
@@ -142,8 +143,9 @@ def resize(
             answers |= {"expert_parallel": degree} if degree != parallel.expert_parallel else {}
     if live.accelerator != "cpu" and cheapest(**fixed, **with_answers(**replan, answers=answers)) is None:
         answers |= fitting_batch(**fixed, **with_answers(**replan, answers=answers))
-    ac, sharding, offload = recommend(**fixed, **with_answers(**replan, answers=answers))
-    return {**answers, "sharding": sharding, "activation_checkpointing": ac, "cpu_offload": offload}
+    choice = recommend(**fixed, **with_answers(**replan, answers=answers))  # copier decides activation offload itself
+    return {**answers, "sharding": choice.sharding, "activation_checkpointing": choice.ac,
+            "cpu_offload": choice.cpu_offload}  # fmt: skip
 
 
 def fitting_batch(
@@ -151,11 +153,17 @@ def fitting_batch(
     finetune: FinetuneConfig, checkpoint: CheckpointConfig,
 ) -> dict:  # fmt: skip
     """micro_batch_size and seq_len answers with which some plan fits where train's do not: the largest
-    halving of the micro-batch, then of the sequence at one sample; empty when none fits (the report then
-    says so). A ViT's micro-batch is its images; its sequence is not asked."""
+    halving of the micro-batch, then the longest sequence that fits one sample (longest_fitting_seq_len);
+    empty when none fits (the report then says so). A ViT's micro-batch is its images; its sequence is not
+    asked."""
     smaller = [(train.micro_batch_size // 2**i, train.seq_len) for i in range(1, 12)]
-    shorter = [(1, train.seq_len // 2**i) for i in range(1, 8) if train.seq_len // 2**i >= 128]
-    for micro, seq in dict.fromkeys(c for c in smaller + (shorter if model.name != "vit" else []) if c[0] >= 1):
+    shorter = []
+    if model.name != "vit":
+        one = replace(train, micro_batch_size=1)
+        longest = longest_fitting_seq_len(model=model, train=one, parallel=parallel, hardware=hardware,
+                                          finetune=finetune, checkpoint=checkpoint, longest=train.seq_len)  # fmt: skip
+        shorter = [(1, longest)] if longest else []
+    for micro, seq in dict.fromkeys(c for c in smaller + shorter if c[0] >= 1):
         trial = replace(train, micro_batch_size=micro, seq_len=seq)
         if cheapest(model=model, train=trial, parallel=parallel, hardware=hardware, finetune=finetune,
                     checkpoint=checkpoint):  # fmt: skip
@@ -179,9 +187,11 @@ def tensor_parallel_answers(
     degree = parallel.tensor_parallel
     base = max(train.micro_batch_size // degree, 1)
     best = recommend_tensor_parallel(**args, base_micro_batch=base)
+    estimate = estimate_tensor_parallel(**args, degree=best, base_micro_batch=base)
+    if estimate is None:  # picked with context parallelism the repo lacks: FSDP alone, and fitting_batch's sequence
+        best = 1
     if best == degree:
         return {}
-    estimate = estimate_tensor_parallel(**args, degree=best, base_micro_batch=base)
     return {"tensor_parallel": best, "micro_batch_size": estimate.micro_batch_size if estimate else base * best}
 
 
