@@ -1,6 +1,6 @@
 """Every file, module and flag this repo's words name exists in this repo.
 
-Read: README.md, PLAN.md, TROUBLESHOOTING.md and FSDP1_TO_FSDP2.md whole, the comments of configs/*.toml, scripts/*
+Read: README.md, PLAN.md, TROUBLESHOOTING.md, FSDP1_TO_FSDP2.md and the READMEs of tests/ and src/ whole, the comments of configs/*.toml, scripts/*
 and k8s/*.yaml, and every docstring (ast) and comment (tokenize) in src/. A word is what lies between spaces,
 backticks, quotes, brackets, commas, `=` and `|`, less trailing punctuation, `'s` and `::test_name`; `<placeholder>`
 and `*` match any name. Checked:
@@ -75,6 +75,8 @@ TOPS = {f.removeprefix(PKG_DIR + "/") for f in FOLDERS if "/" not in f.removepre
 def texts() -> list[tuple[str, str, str]]:
     """(where, the folder of the file, the text) for each text read."""
     out = [(doc, "", (ROOT / doc).read_text()) for doc in DOCS]
+    for path in [*ROOT.glob("tests/README.md"), *sorted(PKG.rglob("README.md"))]:  # each beside what it describes
+        out.append((path.relative_to(ROOT).as_posix(), path.parent.relative_to(ROOT).as_posix(), path.read_text()))
     for path in [*ROOT.glob("configs/*.toml"), *ROOT.glob("scripts/*"), *ROOT.glob("k8s/*.yaml")]:
         lines = enumerate(path.read_text().splitlines(), 1)
         out += [(f"{path.relative_to(ROOT)}:{i}", "", c[0]) for i, line in lines if (c := COMMENT.search(line))]
