@@ -38,12 +38,12 @@ PKG = next(p for p in (ROOT / "src").iterdir() if (p / "__init__.py").is_file())
 PKG_DIR = PKG.relative_to(ROOT).as_posix()
 DOCS = ["README.md", "PLAN.md", "TROUBLESHOOTING.md", "FSDP1_TO_FSDP2.md"]
 SOURCE = {".py", ".toml", ".md", ".sh", ".sbatch", ".yaml", ".yml", ".jinja", ".cfg"}
-# The flags of torchrun, copier, SLURM, nvidia-smi, xpu-smi, tensorboard, ruff and py-spy that the docs use.
+# The flags of torchrun, copier, SLURM, nvidia-smi, xpu-smi, tensorboard, ruff, py-spy and pip that the docs use.
 OUTSIDE = {
     "--nproc_per_node", "--nnodes", "--node_rank", "--rdzv_backend", "--rdzv_endpoint", "--rdzv_id", "--standalone",
     "--max-restarts", "--shutdown-timeout", "--defaults", "--trust", "--vcs-ref", "--data-file", "--time",
     "--partition", "--mem", "--requeue", "--signal", "--exclusive", "--cpus-per-task", "--query-gpu", "--format",
-    "--dump", "--logdir", "--check", "--pid", "--help",
+    "--dump", "--logdir", "--check", "--pid", "--help", "--index-url",
 }  # fmt: skip
 # What the user makes: the answers `--out` writes, a tokenizer's chat template, the field README.md's example adds,
 # the shape of an override.
