@@ -13,7 +13,7 @@ DOCS = ["PLAN.md", "TROUBLESHOOTING.md", "FSDP1_TO_FSDP2.md", "README.md"]
 # "the template's hooks/plan.jinja": a file of the template, which a user does not receive (template/tests/test_paths.py
 # leaves these to test_the_template_files_a_render_names_exist).
 TEMPLATE_FILE = re.compile(r"(?:[Tt]he\s+|fsdp-)template's\s+`?([^\s`]+)")
-HOSTS = {"docs.pytorch.org", "arxiv.org", "github.com"}
+HOSTS = {"docs.pytorch.org", "arxiv.org", "github.com", "download.pytorch.org"}  # the last: pip's index of torch builds
 DECISIONS = ["Memory per rank", "Host memory per node", "Fine-tuning", "Sharding", "Tensor parallelism",
              "Context parallelism",
              "reshard_after_forward", "Mixed precision", "CPU offload", "Activation checkpointing", "float8",
