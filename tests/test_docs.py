@@ -75,7 +75,7 @@ def test_links_are_well_formed(rendered, name):
                 continue
             linked = (path.parent / target) if target else path
             headings = re.findall(r"^#+ (.+)$", linked.read_text(), re.M)
-            assert anchor in {slug(h) for h in headings}, f"{name}: {path.name} links to {target}#{anchor}, no such heading"
+            assert anchor in {slug(h) for h in headings}, f"{name}: {path.name}: no heading for {target}#{anchor}"
 
 
 def test_plan_explains_a_mixture_of_experts_and_its_degree(rendered):

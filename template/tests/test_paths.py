@@ -1,9 +1,9 @@
 """Every file, module and flag this repo's words name exists in this repo.
 
-Read: README.md, PLAN.md, TROUBLESHOOTING.md, FSDP1_TO_FSDP2.md and the READMEs of tests/ and src/ whole, the comments of configs/*.toml, scripts/*
-and k8s/*.yaml, and every docstring (ast) and comment (tokenize) in src/. A word is what lies between spaces,
-backticks, quotes, brackets, commas, `=` and `|`, less trailing punctuation, `'s` and `::test_name`; `<placeholder>`
-and `*` match any name. Checked:
+Read: README.md, PLAN.md, TROUBLESHOOTING.md, FSDP1_TO_FSDP2.md and the READMEs of tests/ and src/ whole, the
+comments of configs/*.toml, scripts/* and k8s/*.yaml, and every docstring (ast) and comment (tokenize) in src/. A
+word is what lies between spaces, backticks, quotes, brackets, commas, `=` and `|`, less trailing punctuation, `'s`
+and `::test_name`; `<placeholder>` and `*` match any name. Checked:
 
 - A path: a word whose last part ends in a source suffix (SOURCE), or that holds a `/` and starts with a folder of
   the repo or of src/<pkg>/ (configs/, tests/, models/, plan/, ...). It exists under the repo, under src/<pkg>/ or
