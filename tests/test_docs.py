@@ -109,8 +109,7 @@ def test_the_template_files_a_render_names_exist(rendered):
     scripts) exists here; and no render names the design document, which neither it nor the template holds."""
     named, missing = set(), []
     for name, root in rendered.items():
-        for path in [*docs(root), *root.glob("src/**/*.py"), *root.glob("configs/*"),
-                     *root.glob("scripts/*")]:
+        for path in [*docs(root), *root.glob("src/**/*.py"), *root.glob("configs/*"), *root.glob("scripts/*")]:
             text = path.read_text()
             assert "DESIGN" not in text, f"{name}: {path.relative_to(root)} names DESIGN"
             for word in TEMPLATE_FILE.findall(text):
