@@ -68,6 +68,9 @@ MATRIX = {
     # (context parallelism, the planner's pick: the smallest degree that fits; on 80 GiB GPUs, its loss in
     # chunks, one GPU holds a whole sequence with CPU offload).
     "long_context_8b": {"gpu_arch": "ampere", "gpu_memory_gb": 40, "seq_len": 131072},
+    # Llama 3.1 8B at 8 x its context, 1,048,576 tokens, on one node of 8 x H100 80 GB: max_seq_len raised and YaRN
+    # over the preset's 131,072 positions (the rope_scaling answer's default), context parallel 8, activation offload.
+    "context_extension_8b": {"model_size": "8b", "seq_len": 1048576},
     # A transformers Qwen2 of the 8B shape, fine-tuned on chats (sft): on two 48 GB GPUs it only
     # fits with CPU offload (the planner's pick).
     "ada_offload": {

@@ -99,6 +99,9 @@ def test_generated_smoke_rules_and_plan(rendered, suites, name):
     model_type = yaml.safe_load((rendered[name] / ".copier-answers.yml").read_text())["model_type"]
     if model_type in ("llama", "hf_causal_lm"):  # greedy generation against transformers' generate
         must.append("test_generate.py::test_greedy_llama_with_llama31_rope_scaling_picks_transformers_tokens")
+        # context extension: yarn against transformers' tables and export, and trained at twice the context
+        must.append("test_rope_scaling.py::test_a_yarn_export_is_transformers_model_and_reads_back")
+        must.append("test_rope_scaling.py::test_twice_the_context_trains_to_the_same_losses_at_one_rank_and_two")
     if model_type == "hf_causal_lm":  # model.hf_config: one description of the model, fp32 whatever the file says
         must.append("test_hf_config.py::test_a_model_that_disagrees_with_hf_config_is_refused_and_the_fix_agrees")
     suites[name].check(fast_tier(name), *must)

@@ -133,7 +133,7 @@ def test_impossible_picks_on_one_gpu_node_are_disabled_or_refused(session, tmp_p
     refusals["package_name=launch"] = s.type("launch")
     assert s.type("mymodel") == ""
     run_to(s, "seq_len", {})
-    refusals["seq_len=200000"] = s.type("200000")  # past Llama 3.1's 131,072-token context
+    refusals["seq_len=2000000"] = s.type("2000000")  # past 8 x Llama 3.1's 131,072-token context
     assert s.type("8192") == ""
     s.next_prompt()
     assert s.current.name == "tensor_parallel"  # asked after the sequence its default is planned for
@@ -170,7 +170,7 @@ def test_impossible_picks_on_one_gpu_node_are_disabled_or_refused(session, tmp_p
     # that fit after copier's "Validation error for question '<name>': ").
     assert refusals["package_name=launch"].endswith("'package_name': try launch_train")
     assert refusals["tensor_parallel=3"].endswith("'tensor_parallel': answer 1, 2, 4 or 8 (8 GPUs)")
-    assert refusals["seq_len=200000"].endswith("'seq_len': 1 to 131072 (the preset's max_seq_len)")
+    assert refusals["seq_len=2000000"].endswith("'seq_len': 1 to 1048576 (8 x max_seq_len 131072)")
     assert refusals["context_parallel=3"].endswith("'context_parallel': answer 1, 2, 4 or 8 (8 GPUs)")
     assert re.search(r"'micro_batch_size': 1 fits: needs \d+\.\d GiB/GPU$", refusals["micro_batch_size=64"])
     assert refusals["activation_checkpointing=none"].startswith("choose selective: at best")
@@ -380,9 +380,10 @@ SCREENS = {
     "one_small_volta": {"gpu_arch": "volta", "gpus_per_node": 1, "gpu_memory_gb": 8,
                         "project_name": "my project, with a name longer than any line of a terminal"},
     "ddp_8b_on_h100s": {"activation_checkpointing": "full", "sharding": "no_shard", "tensor_parallel": 3,
-                        "seq_len": 200000, "context_parallel": 3, "micro_batch_size": 64},
+                        "seq_len": 2000000, "context_parallel": 3, "micro_batch_size": 64},
     # A refusal does not grow with the number typed.
     "long_context_8b": {"seq_len": 131072, "context_parallel": 2, "sharding": "no_shard", "micro_batch_size": 100000},
+    "extended_8b": {"seq_len": 1048576, "rope_scaling": "linear"},  # past the context: the rope_scaling question
     "hf_lora_fp16": {"model_type": "hf_causal_lm", "finetune": "lora", "mixed_precision": "fp16", "seq_len": 131071,
                      "tensor_parallel": 2},
     "moe_on_turing": {"model_type": "qwen3_moe", "gpu_arch": "turing", "gpus_per_node": 2, "gpu_memory_gb": 16,

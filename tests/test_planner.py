@@ -1257,3 +1257,45 @@ def test_gpu_generations_agree_with_the_question_and_the_probe():
     assert list(choices.values()) == list(HOOKS.GPU_ARCHS) == list(archs)
     for label, arch in choices.items():
         assert f"sm {HOOKS.GPU_ARCHS[arch]['sm']}" in label, label
+
+
+# Issue 42's long-context goals on H100 80 GiB nodes: the answers, and the plan the render must take (context-parallel
+# degree, activation checkpointing, sharding, CPU offload, activation offload) with its peak per GPU in GiB.
+LONG_CONTEXT = {
+    "8b-1048576-one-node": ({"model_size": "8b", "seq_len": 1048576}, (8, "full", "shard_grad_op", False, True), 60.3),
+    "8b-262144-one-node": ({"model_size": "8b", "seq_len": 262144}, (4, "full", "shard_grad_op", False, False), 60.1),
+    "70b-131072-8-nodes": ({"model_size": "70b", "num_nodes": 8, "inter_node_link": "infiniband", "seq_len": 131072},
+                           (8, "full", "full", False, False), 54.7),
+    "1b-131072-one-gpu": ({"model_size": "1b", "gpus_per_node": 1, "seq_len": 131072},
+                          (1, "full", "no_shard", False, False), 64.6),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("goal", LONG_CONTEXT)
+def test_long_context_goals_render_within_device_and_host_memory(plan, tmp_path, goal):
+    from planpkg.config import load_config
+
+    answers, (cp, ac, sharding, cpu_offload, parked), peak = LONG_CONTEXT[goal]
+    root = render(tmp_path / "p", answers)
+    preset = answers["model_size"]
+    cfg = load_config(["--config", str(root / "configs" / f"{preset}.toml")])
+    p = cfg.parallel
+    chosen = (p.context_parallel, p.activation_checkpointing, p.sharding, p.cpu_offload, p.activation_offload)
+    assert chosen == (cp, ac, sharding, cpu_offload, parked)
+    # Run time plans the config as question time did: the same degree, the same choice, within both budgets.
+    assert plan.recommend_context_parallel(**subs(cfg)) == cp
+    assert plan.cheapest(**subs(cfg)) == plan.PlanChoice(ac, sharding, cpu_offload, parked)
+    m = plan.plan_for(**{k: v for k, v in subs(cfg).items() if k != "checkpoint"})
+    assert round(m.total / GIB, 1) == peak and m.total <= HOOKS.HEADROOM * 80 * GIB
+    host = plan.host_plan_for(**subs(cfg), m=m)
+    assert host.total <= HOOKS.HOST_MEMORY["headroom"] * cfg.hardware.host_memory_gb * GIB
+    said = (root / "PLAN.md").read_text()
+    assert f"needs **{peak} GiB** per GPU" in said and f"**{host.total / GIB:.1f} GiB** of host memory per node" in said
+    # Past the preset's 131,072 positions the config extends the context with YaRN over them (PLAN.md says so).
+    if answers["seq_len"] > PRESETS[preset]["max_seq_len"]:
+        r = cfg.model.rope_scaling
+        assert cfg.model.max_seq_len == answers["seq_len"] == r.factor * r.original_max_position_embeddings
+        assert (r.rope_type, r.original_max_position_embeddings) == ("yarn", PRESETS[preset]["max_seq_len"])
+        assert f"## Context extension: 131072 to {answers['seq_len']} tokens, yarn" in said
+    else:
+        assert cfg.model.max_seq_len == PRESETS[preset]["max_seq_len"] and cfg.model.rope_scaling.rope_type == "llama3"

@@ -107,11 +107,11 @@ def assert_plan_agrees(root) -> dict:
     return a
 
 
-# Sizes x lengths on one and two nodes of 8 x H100: from a preset's length to its whole context. Only PLAN.md and the
-# answers are written (a render of them takes about 2 s).
+# Sizes x lengths on one and two nodes of 8 x H100: from a preset's length to its whole context (8b: and 8 times it,
+# the context extended). Only PLAN.md and the answers are written (a render of them takes about 2 s).
 MATRIX = [
     (model, size, seq, nodes)
-    for model, size, lengths in [("llama", "1b", [4096, 131072]), ("llama", "8b", [8192, 32768, 131072]),
+    for model, size, lengths in [("llama", "1b", [4096, 131072]), ("llama", "8b", [8192, 32768, 131072, 1048576]),
                                  ("llama", "70b", [8192, 65536, 131072]), ("qwen3_moe", "30b-a3b", [4096, 40960])]
     for seq in lengths
     for nodes in (1, 2)

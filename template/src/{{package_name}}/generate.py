@@ -27,7 +27,6 @@ import contextlib
 import json
 import sys
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -178,9 +177,7 @@ def read_weights(
         if problem := checkpoint_refusal(path, model=model, spec=spec, where=f"--weights {path}", otherwise=otherwise):
             raise UsageError(problem)
         try:
-            with warnings.catch_warnings():  # DCP says it reads in one process: that is the point here
-                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                return load_checkpoint(path, model, finetune)
+            return load_checkpoint(path, model, finetune)
         except ValueError as error:  # a checkpoint of the other finetune.method
             raise UsageError(f"--weights {path}: {error}") from None
     try:

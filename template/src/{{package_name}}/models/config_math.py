@@ -17,6 +17,7 @@ means what it means to transformers' LlamaConfig. Plain Python: nothing here imp
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -97,6 +98,45 @@ def read_config_json(directory: Path) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
+ROPE_FIELDS: dict[str, tuple[str, ...]] = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor"),
+}
+"""The rotary scaling rules [model.rope_scaling] computes, and the fields of each that config.json holds."""
+
+
+def yarn_attention_factor(rope: dict) -> float:
+    """The factor transformers' YaRN multiplies cos and sin by, from a config.json's rope fields: attention_factor,
+    or from factor (and mscale over mscale_all_dim, where a file gives both) as the YaRN paper's 0.1 ln(s) + 1."""
+    if rope.get("attention_factor") is not None:
+        return float(rope["attention_factor"])
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    factor = rope["factor"]
+    if rope.get("mscale") and rope.get("mscale_all_dim"):
+        return mscale(factor, rope["mscale"]) / mscale(factor, rope["mscale_all_dim"])
+    return mscale(factor)
+
+
+def _yarn_in_one_form(rope: dict, config: dict) -> dict:
+    """A yarn rope dict as what it computes: factor (from the contexts where a file leaves it out), YaRN's defaults
+    and the attention factor filled in; `truncate` kept only where it is off (no [model] key turns it off)."""
+    rope = dict(rope)
+    original = rope.get("original_max_position_embeddings") or config.get("max_position_embeddings")
+    factor = rope.get("factor") or (config.get("max_position_embeddings") or 0) / (original or 1)
+    rope.update(factor=float(factor), original_max_position_embeddings=original)
+    attention_factor = yarn_attention_factor(rope)
+    for name in ("mscale", "mscale_all_dim", "attention_factor"):
+        rope.pop(name, None)
+    if rope.pop("truncate", True) is False:
+        rope["truncate"] = False
+    return {**rope, "beta_fast": float(rope.get("beta_fast") or 32), "beta_slow": float(rope.get("beta_slow") or 1),
+            "attention_factor": attention_factor}  # fmt: skip
+
+
 class LlamaMath(ConfigMath):
     """The Llama family's config.json: rotary settings in either form, head size and key/value heads that
     follow others when a file leaves them out, and qwen2's sliding window that it does not use."""
@@ -109,11 +149,28 @@ class LlamaMath(ConfigMath):
                 if v is not None}  # fmt: skip
         math["rope_theta"] = float(rope.pop("rope_theta", math["rope_theta"]))
         rope_type = rope.pop("rope_type", rope.pop("type", "default"))  # files before transformers 4.45 say "type"
+        rope = _yarn_in_one_form(rope, config) if rope_type == "yarn" else rope
         scaled = {"rope_type": rope_type, **dict(sorted(rope.items()))}
         math["rope_scaling"] = None if rope_type == "default" else scaled
         if not config.get("use_sliding_window", True):  # qwen2 writes a window it does not use
             math["sliding_window"] = None
         return math
+
+    def differences(self, ours: dict, theirs: dict) -> list[tuple[str, object, object]]:
+        """As ConfigMath's, except that a model extending the file's context (`extends`) may scale its rotary
+        frequencies otherwise: the one change a long-context fine-tune makes to the model it starts from."""
+        said = super().differences(ours, theirs)
+        return [d for d in said if d[0] != "rope_scaling"] if self.extends(ours, theirs) else said
+
+    def extends(self, ours: dict, theirs: dict) -> bool:
+        """Whether the config.json `ours` stretches the context of `theirs` (max_position_embeddings) by its rotary
+        scaling's factor: linear, or yarn over theirs as original_max_position_embeddings."""
+        rope, context = self.computed_by(ours)["rope_scaling"] or {}, theirs.get("max_position_embeddings")
+        if rope.get("rope_type") not in ("linear", "yarn") or not context:
+            return False
+        if rope["rope_type"] == "yarn" and rope["original_max_position_embeddings"] != context:
+            return False
+        return ours.get("max_position_embeddings") == rope["factor"] * context > context
 
     def assignment(self, name: str, theirs: object) -> str | None:
         key = self.settings.get(name)
@@ -121,13 +178,17 @@ class LlamaMath(ConfigMath):
             return super().assignment(name, theirs)
         if theirs is None:
             return f'{key}.rope_type = "none"'
-        if theirs.get("rope_type") != "llama3":
-            return None  # [model] computes none or llama3 (notes says so)
+        rule = theirs.get("rope_type")
+        if rule not in ROPE_FIELDS or set(theirs) - {"rope_type", *ROPE_FIELDS[rule]}:
+            return None  # a rule, or a field of one, that [model] does not compute (why_unset says so)
         return f"[{key}] {', '.join(f'{k} = {json.dumps(v)}' for k, v in theirs.items())}"
 
     def why_unset(self, name: str, theirs: object) -> str:
+        if name == "rope_scaling" and (rule := theirs.get("rope_type")) in ROPE_FIELDS:
+            unknown = sorted(set(theirs) - {"rope_type", *ROPE_FIELDS[rule]})
+            return f"{self.settings[name]} has no {', '.join(unknown)} ({rule} computes {', '.join(ROPE_FIELDS[rule])})"
         if name == "rope_scaling":
-            return f"{self.settings[name]} computes none or llama3, not {theirs.get('rope_type')!r}"
+            return f"{self.settings[name]} computes none, {', '.join(ROPE_FIELDS)}, not {theirs.get('rope_type')!r}"
         return super().why_unset(name, theirs)
 
 

@@ -13,7 +13,7 @@ file name; the ViT, hf_causal_lm and the custom stub build on the blocks and the
 from ..config_math import LLAMA
 from ..spec import HFLayout, LoraLayout, ModelSpec, new_kv_cache
 from .cp import CP_PLAN, decoder_cp_errors
-from .hf import HF_NAMES, hf_config_json
+from .hf import HF_NAMES, hf_config_json, hf_rope_scaling
 from .model import (
     DEBUG,
     Attention,
@@ -27,8 +27,10 @@ from .model import (
     apply_rope,
     causal_mask,
     model_rope_cache,
+    rope_attention_factor,
     rope_cache,
     rope_frequencies,
+    rope_scaling_errors,
 )
 from .shape import DecoderShape, block_shape, decoder_shape
 from .tp import TP_PLAN, decoder_tp_errors
@@ -55,9 +57,12 @@ __all__ = [
     "decoder_shape",
     "decoder_tp_errors",
     "hf_config_json",
+    "hf_rope_scaling",
     "model_rope_cache",
+    "rope_attention_factor",
     "rope_cache",
     "rope_frequencies",
+    "rope_scaling_errors",
 ]
 
 SPEC = ModelSpec(

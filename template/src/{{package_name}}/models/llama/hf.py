@@ -4,11 +4,11 @@ config.json that makes transformers build the same model (checkpoint.init_from, 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
+from ..config_math import ROPE_FIELDS
 from ..spec import RenameTable
-from .model import LlamaConfig
+from .model import LlamaConfig, RopeScaling
 
 # This repo's parameter names beside Hugging Face LlamaForCausalLM's ({i}: a layer, {x}: q, k, v
 # or o). Both use the rotate-half rotary layout, so the state-dict adapter renames only, never permutes.
@@ -28,13 +28,24 @@ HF_NAMES = RenameTable(
 )
 
 
+def hf_rope_scaling(scaling: RopeScaling) -> dict | None:
+    """transformers' rope_scaling for this rule: its rope_type and the fields it reads (config_math.ROPE_FIELDS);
+    None for plain frequencies. A yarn attention_factor of 0 is left out: transformers then computes YaRN's own."""
+    if scaling.rope_type == "none":
+        return None
+    fields = {name: getattr(scaling, name) for name in ROPE_FIELDS[scaling.rope_type]}
+    if fields.get("attention_factor") == 0:
+        del fields["attention_factor"]
+    return {"rope_type": scaling.rope_type, **fields}
+
+
 def hf_config_json(cfg: LlamaConfig) -> str:
     """config.json for transformers' LlamaForCausalLM that computes what this model does.
 
     Rotary scaling is written as Meta's Llama 3.x files write it (`rope_theta`, `rope_scaling` with
-    `rope_type`), which transformers 4 reads as is and transformers 5 files under `rope_parameters`.
+    `rope_type`, hf_rope_scaling), which transformers 4 reads as is and transformers 5 files under
+    `rope_parameters`.
     """
-    scaling = dataclasses.asdict(cfg.rope_scaling)
     config = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -49,7 +60,7 @@ def hf_config_json(cfg: LlamaConfig) -> str:
         "max_position_embeddings": cfg.max_seq_len,
         "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta,
-        "rope_scaling": None if scaling["rope_type"] == "none" else scaling,
+        "rope_scaling": hf_rope_scaling(cfg.rope_scaling),
         "tie_word_embeddings": cfg.tie_embeddings,
         "attention_bias": False,
         "mlp_bias": False,

@@ -31,16 +31,25 @@ DEBUG = LLAMA_PRESETS["debug"]
 
 @dataclass
 class RopeScaling:
-    rope_type: Literal["none", "llama3"] = "none"
-    """none: rotary frequencies from rope_theta alone; llama3: Llama 3.1's long-context rule (rope_frequencies)."""
+    """How the rotary frequencies stretch past a context: [model.rope_scaling], transformers' rope_scaling."""
+
+    rope_type: Literal["none", "linear", "llama3", "yarn"] = "none"
+    """none: frequencies from rope_theta alone; linear: position interpolation (every frequency / factor); llama3:
+    Llama 3.1's long-context rule; yarn: YaRN (https://arxiv.org/abs/2309.00071). rope_frequencies has each rule."""
     factor: float = LLAMA3_ROPE_SCALING["factor"]
-    """llama3: low frequencies slow down by this factor (8 for Llama 3.1 8B and 70B, 32 for Llama 3.2 1B and 3B)."""
+    """How many times longer the context becomes (8 for Llama 3.1 8B and 70B, 32 for Llama 3.2 1B and 3B)."""
     low_freq_factor: float = LLAMA3_ROPE_SCALING["low_freq_factor"]
     """llama3: wavelengths over original_max_position_embeddings / low_freq_factor are scaled in full."""
     high_freq_factor: float = LLAMA3_ROPE_SCALING["high_freq_factor"]
     """llama3: wavelengths under original_max_position_embeddings / high_freq_factor stay; those between blend."""
     original_max_position_embeddings: int = LLAMA3_ROPE_SCALING["original_max_position_embeddings"]
-    """llama3: the context the model was pretrained with, before its long-context extension."""
+    """llama3, yarn: the context the model was trained with before this extension."""
+    beta_fast: float = 32.0
+    """yarn: channels that turn more than beta_fast times over the original context keep their frequency."""
+    beta_slow: float = 1.0
+    """yarn: channels that turn fewer than beta_slow times are divided by factor; those between blend."""
+    attention_factor: float = 0.0
+    """yarn: cos and sin are multiplied by it (sharper attention at long range); 0: YaRN's 0.1 ln(factor) + 1."""
 
 
 @dataclass
@@ -99,32 +108,74 @@ class LlamaConfig(BlockConfig):
             errors.append("model.dim / model.n_heads must be even for rotary embeddings")
         if seq_len > self.max_seq_len:
             errors.append(f"train.seq_len={seq_len} exceeds model.max_seq_len={self.max_seq_len}: set --train.seq_len "
-                          f"{self.max_seq_len} or --model.max_seq_len {seq_len}")  # fmt: skip
-        r = self.rope_scaling
-        if r.rope_type == "llama3" and not (
-            r.factor > 0 and 0 < r.low_freq_factor < r.high_freq_factor and r.original_max_position_embeddings > 0
-        ):
-            errors.append(
-                f"model.rope_scaling (llama3) needs factor > 0, 0 < low_freq_factor < high_freq_factor and "
-                f"original_max_position_embeddings > 0, not {r.factor}, {r.low_freq_factor}, {r.high_freq_factor} "
-                f"and {r.original_max_position_embeddings} (the Llama 3.x presets hold the published values)"
-            )
+                          f"{self.max_seq_len} or {' '.join(self.extension_flags(seq_len))} (a longer rotary table "
+                          "alone would show the model positions it never trained on)")  # fmt: skip
+        return errors + rope_scaling_errors(self.rope_scaling)
+
+    def extension_flags(self, seq_len: int) -> list[str]:
+        """The flags that extend the model's context to `seq_len` positions: max_seq_len, and the rotary scaling
+        that stretches what the model was trained on to cover them (YaRN, unless linear is already chosen).
+        Llama 3.1's llama3 rule gives way to yarn over its 131,072 positions, as long-context fine-tunes do."""
+        r, key = self.rope_scaling, "--model.rope_scaling"
+        flags = ["--model.max_seq_len", str(seq_len)]
+        if r.rope_type == "linear":
+            return [*flags, f"{key}.factor", str(r.factor * seq_len / self.max_seq_len)]
+        trained = r.original_max_position_embeddings if r.rope_type == "yarn" else self.max_seq_len
+        if r.rope_type != "yarn":
+            flags += [f"{key}.rope_type", "yarn"]
+        flags += [f"{key}.factor", str(seq_len / trained)]
+        return [*flags, f"{key}.original_max_position_embeddings", str(trained)]
+
+
+def rope_scaling_errors(r: RopeScaling) -> list[str]:
+    """The parameters a rule reads, where they are out of its range: one line each, naming the key."""
+    key = "model.rope_scaling"
+    if r.rope_type == "llama3" and not (
+        r.factor > 0 and 0 < r.low_freq_factor < r.high_freq_factor and r.original_max_position_embeddings > 0
+    ):
+        return [
+            f"{key} (llama3) needs factor > 0, 0 < low_freq_factor < high_freq_factor and "
+            f"original_max_position_embeddings > 0, not {r.factor}, {r.low_freq_factor}, {r.high_freq_factor} "
+            f"and {r.original_max_position_embeddings} (the Llama 3.x presets hold the published values)"
+        ]
+    errors = []
+    if r.rope_type in ("linear", "yarn") and not r.factor >= 1:
+        errors.append(f"{key}.factor={r.factor} must be at least 1 ({r.rope_type}: new context / original context)")
+    if r.rope_type != "yarn":
         return errors
+    if not r.original_max_position_embeddings > 0:
+        errors.append(f"{key}.original_max_position_embeddings={r.original_max_position_embeddings} must be positive "
+                      "(yarn: the context the model was trained with)")  # fmt: skip
+    if not r.beta_slow > 0:
+        errors.append(f"{key}.beta_slow={r.beta_slow} must be positive (yarn; YaRN's own is 1)")
+    if not r.beta_fast > r.beta_slow:
+        errors.append(f"{key}.beta_fast={r.beta_fast} must exceed beta_slow={r.beta_slow} (yarn; YaRN's own: 32, 1)")
+    if not r.attention_factor >= 0:
+        errors.append(f"{key}.attention_factor={r.attention_factor} must be positive, or 0 for YaRN's own "
+                      "0.1 ln(factor) + 1")  # fmt: skip
+    return errors
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None, device=None) -> torch.Tensor:
-    """Angle per position of each rotated pair of channels, in float32; with `scaling.rope_type` llama3,
-    Llama 3.1's long-context rule (the arithmetic of transformers' _compute_llama3_parameters).
+    """Angle per position of each rotated pair of channels, in float32, under `scaling.rope_type`'s rule (the
+    arithmetic of transformers' modeling_rope_utils, so that its models compute what these compute).
 
-    The rule keeps frequencies whose wavelength is under original_max_position_embeddings /
-    high_freq_factor, divides those over original_max_position_embeddings / low_freq_factor by
-    `factor`, and blends the ones between: the model sees positions past its pretraining context
-    as it saw nearby ones. Llama 3.1 and 3.2 weights were trained with it, and compute something
-    else without it.
+    linear divides every frequency by `factor` (position interpolation). llama3 keeps frequencies whose
+    wavelength is under original_max_position_embeddings / high_freq_factor, divides those over
+    original_max_position_embeddings / low_freq_factor by `factor`, and blends the ones between: the
+    model sees positions past its pretraining context as it saw nearby ones. Llama 3.1 and 3.2 weights
+    were trained with it, and compute something else without it. yarn draws the same line by how many
+    turns a channel makes over the original context (beta_fast, beta_slow), on a ramp over channels,
+    and sharpens attention (rope_attention_factor).
     """
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    exponents = torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim
+    inv_freq = 1.0 / theta**exponents
     if scaling is None or scaling.rope_type == "none":
         return inv_freq
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    if scaling.rope_type == "yarn":
+        return _yarn_frequencies(theta**exponents, head_dim, theta, scaling)
     context, low, high = scaling.original_max_position_embeddings, scaling.low_freq_factor, scaling.high_freq_factor
     wavelength = 2 * math.pi / inv_freq
     scaled = torch.where(wavelength > context / low, inv_freq / scaling.factor, inv_freq)
@@ -134,14 +185,40 @@ def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = 
     return torch.where(between, blended, scaled)
 
 
+def _yarn_frequencies(wavelength_base: torch.Tensor, head_dim: int, theta: float, s: RopeScaling) -> torch.Tensor:
+    """YaRN's frequencies, from theta ** (2i / head_dim) per pair i: pairs up to the one that turns beta_fast
+    times over the original context keep their frequency, pairs from the one that turns beta_slow times
+    on are divided by factor, and a linear ramp over the pairs between blends the two."""
+
+    def pair_turning(turns: float) -> float:  # the (fractional) pair index whose channel turns `turns` times
+        return head_dim * math.log(s.original_max_position_embeddings / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    first, last = max(math.floor(pair_turning(s.beta_fast)), 0), min(math.ceil(pair_turning(s.beta_slow)), head_dim - 1)
+    span = last - first if last != first else 0.001  # one pair: a step
+    pairs = torch.arange(head_dim // 2, dtype=torch.float32, device=wavelength_base.device)
+    kept = 1 - ((pairs - first) / span).clamp(0, 1)  # the weight of the unscaled frequency
+    return 1.0 / (s.factor * wavelength_base) * (1 - kept) + 1.0 / wavelength_base * kept
+
+
+def rope_attention_factor(scaling: RopeScaling | None) -> float:
+    """What cos and sin are multiplied by: YaRN's attention_factor (0.1 ln(factor) + 1 unless set), else 1."""
+    if scaling is None or scaling.rope_type != "yarn":
+        return 1.0
+    if scaling.attention_factor:
+        return scaling.attention_factor
+    return 0.1 * math.log(scaling.factor) + 1.0 if scaling.factor > 1 else 1.0
+
+
 def rope_cache(
     head_dim: int, max_seq_len: int, theta: float, device=None, scaling: RopeScaling | None = None
 ) -> torch.Tensor:
-    """cos and sin tables, shape (max_seq_len, 2, head_dim), in float32."""
+    """cos and sin tables, shape (max_seq_len, 2, head_dim), in float32 (times YaRN's attention factor)."""
     inv_freq = rope_frequencies(head_dim, theta, scaling, device)
     angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
-    return torch.stack([angles.cos(), angles.sin()], dim=1)
+    table = torch.stack([angles.cos(), angles.sin()], dim=1)
+    factor = rope_attention_factor(scaling)
+    return table if factor == 1.0 else table * factor
 
 
 def model_rope_cache(cfg: LlamaConfig, device=None) -> torch.Tensor:
