@@ -13,13 +13,23 @@ DOCS = ["PLAN.md", "TROUBLESHOOTING.md", "FSDP1_TO_FSDP2.md", "README.md"]
 # "the template's hooks/plan.jinja": a file of the template, which a user does not receive (template/tests/test_paths.py
 # leaves these to test_the_template_files_a_render_names_exist).
 TEMPLATE_FILE = re.compile(r"(?:[Tt]he\s+|fsdp-)template's\s+`?([^\s`]+)")
-HOSTS = {"docs.pytorch.org", "arxiv.org", "github.com"}
+HOSTS = {"docs.pytorch.org", "arxiv.org", "github.com", "download.pytorch.org"}  # the last: pip's index of torch builds
 DECISIONS = ["Memory per rank", "Host memory per node", "Fine-tuning", "Sharding", "Tensor parallelism",
              "Context parallelism",
              "reshard_after_forward", "Mixed precision", "CPU offload", "Activation checkpointing", "float8",
              "torch.compile", "Backend",
              "Rendezvous", "Initialisation", "Gradient accumulation", "Data and uneven inputs", "Checkpoints",
              "What to change if"]  # fmt: skip
+
+
+def docs(root):
+    """A render's documents: DOCS, and the READMEs beside the tests, the models and the data sources."""
+    return [root / doc for doc in DOCS] + sorted(root.glob("tests/README.md")) + sorted(root.glob("src/*/**/README.md"))
+
+
+def slug(title: str) -> str:
+    """GitHub's anchor of a heading: lower case, spaces to hyphens, only letters, digits, `_` and `-` kept."""
+    return re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-")
 
 
 def sections(text: str) -> dict[str, str]:
@@ -49,8 +59,8 @@ def test_plan_numbers_come_from_the_answers(rendered):
 
 @pytest.mark.parametrize("name", MATRIX)
 def test_links_are_well_formed(rendered, name):
-    for doc in DOCS:
-        text = (rendered[name] / doc).read_text()
+    for path in docs(rendered[name]):
+        doc, text = path.name, path.read_text()
         for url in re.findall(r"https?://[^\s)>\]`]+", text):
             parsed = urlparse(url)
             assert parsed.scheme == "https", url
@@ -59,6 +69,13 @@ def test_links_are_well_formed(rendered, name):
                 r"[A-Za-z0-9/._#-]+", parsed.path + ("#" + parsed.fragment if parsed.fragment else "")
             ), url
         assert text.count("](") == len(re.findall(r"\]\([^)\s]+\)", text)), f"{doc}: a markdown link is broken"
+        # A link to a heading of the same document, or to a heading of another document of the render, exists.
+        for target, anchor in re.findall(r"\]\(([^)#\s]*)#([^)\s]+)\)", text):
+            if target.startswith("http"):
+                continue
+            linked = (path.parent / target) if target else path
+            headings = re.findall(r"^#+ (.+)$", linked.read_text(), re.M)
+            assert anchor in {slug(h) for h in headings}, f"{name}: {path.name}: no heading for {target}#{anchor}"
 
 
 def test_plan_explains_a_mixture_of_experts_and_its_degree(rendered):
@@ -92,8 +109,7 @@ def test_the_template_files_a_render_names_exist(rendered):
     scripts) exists here; and no render names the design document, which neither it nor the template holds."""
     named, missing = set(), []
     for name, root in rendered.items():
-        for path in [*(root / doc for doc in DOCS), *root.glob("src/**/*.py"), *root.glob("configs/*"),
-                     *root.glob("scripts/*")]:
+        for path in [*docs(root), *root.glob("src/**/*.py"), *root.glob("configs/*"), *root.glob("scripts/*")]:
             text = path.read_text()
             assert "DESIGN" not in text, f"{name}: {path.relative_to(root)} names DESIGN"
             for word in TEMPLATE_FILE.findall(text):

@@ -96,6 +96,14 @@ def assert_plan_agrees(root) -> dict:
         ep = sections[f"Mixture of experts: expert parallelism {a['expert_parallel']}"]
         assert f"seconds per token: **{a['expert_parallel']}**" in ep
         assert bold_row(ep)[2] == plan and int(bold_row(ep)[1]) == a["micro_batch_size"]
+    # The summary at the top: the same degrees, the same peak, and the step its degree's table row estimates.
+    summary = sections["Summary"]
+    degrees = f"tensor parallel {a['tensor_parallel']}, context parallel {a['context_parallel']}"
+    assert degrees in summary and f"**{peak:.1f} GiB** planned at the peak" in summary, summary
+    table = ep if a["model_type"] == "qwen3_moe" else tp
+    if "| degree |" in table:
+        head = [c.strip() for c in table[table.index("| degree |") :].split("\n")[0].strip("|").split("|")]
+        assert f"about {bold_row(table)[head.index('step s')]} s for " in summary, (bold_row(table), summary)
     return a
 
 

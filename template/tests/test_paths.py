@@ -1,9 +1,9 @@
 """Every file, module and flag this repo's words name exists in this repo.
 
-Read: README.md, PLAN.md, TROUBLESHOOTING.md and FSDP1_TO_FSDP2.md whole, the comments of configs/*.toml, scripts/*
-and k8s/*.yaml, and every docstring (ast) and comment (tokenize) in src/. A word is what lies between spaces,
-backticks, quotes, brackets, commas, `=` and `|`, less trailing punctuation, `'s` and `::test_name`; `<placeholder>`
-and `*` match any name. Checked:
+Read: README.md, PLAN.md, TROUBLESHOOTING.md, FSDP1_TO_FSDP2.md and the READMEs of tests/ and src/ whole, the
+comments of configs/*.toml, scripts/* and k8s/*.yaml, and every docstring (ast) and comment (tokenize) in src/. A
+word is what lies between spaces, backticks, quotes, brackets, commas, `=` and `|`, less trailing punctuation, `'s`
+and `::test_name`; `<placeholder>` and `*` match any name. Checked:
 
 - A path: a word whose last part ends in a source suffix (SOURCE), or that holds a `/` and starts with a folder of
   the repo or of src/<pkg>/ (configs/, tests/, models/, plan/, ...). It exists under the repo, under src/<pkg>/ or
@@ -38,12 +38,12 @@ PKG = next(p for p in (ROOT / "src").iterdir() if (p / "__init__.py").is_file())
 PKG_DIR = PKG.relative_to(ROOT).as_posix()
 DOCS = ["README.md", "PLAN.md", "TROUBLESHOOTING.md", "FSDP1_TO_FSDP2.md"]
 SOURCE = {".py", ".toml", ".md", ".sh", ".sbatch", ".yaml", ".yml", ".jinja", ".cfg"}
-# The flags of torchrun, copier, SLURM, nvidia-smi, xpu-smi, tensorboard, ruff and py-spy that the docs use.
+# The flags of torchrun, copier, SLURM, nvidia-smi, xpu-smi, tensorboard, ruff, py-spy and pip that the docs use.
 OUTSIDE = {
     "--nproc_per_node", "--nnodes", "--node_rank", "--rdzv_backend", "--rdzv_endpoint", "--rdzv_id", "--standalone",
     "--max-restarts", "--shutdown-timeout", "--defaults", "--trust", "--vcs-ref", "--data-file", "--time",
     "--partition", "--mem", "--requeue", "--signal", "--exclusive", "--cpus-per-task", "--query-gpu", "--format",
-    "--dump", "--logdir", "--check", "--pid", "--help",
+    "--dump", "--logdir", "--check", "--pid", "--help", "--index-url",
 }  # fmt: skip
 # What the user makes: the answers `--out` writes, a tokenizer's chat template, the field README.md's example adds,
 # the shape of an override.
@@ -75,6 +75,8 @@ TOPS = {f.removeprefix(PKG_DIR + "/") for f in FOLDERS if "/" not in f.removepre
 def texts() -> list[tuple[str, str, str]]:
     """(where, the folder of the file, the text) for each text read."""
     out = [(doc, "", (ROOT / doc).read_text()) for doc in DOCS]
+    for path in [*ROOT.glob("tests/README.md"), *sorted(PKG.rglob("README.md"))]:  # each beside what it describes
+        out.append((path.relative_to(ROOT).as_posix(), path.parent.relative_to(ROOT).as_posix(), path.read_text()))
     for path in [*ROOT.glob("configs/*.toml"), *ROOT.glob("scripts/*"), *ROOT.glob("k8s/*.yaml")]:
         lines = enumerate(path.read_text().splitlines(), 1)
         out += [(f"{path.relative_to(ROOT)}:{i}", "", c[0]) for i, line in lines if (c := COMMENT.search(line))]
