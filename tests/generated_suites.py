@@ -49,12 +49,17 @@ class Suite:
 
     def check(self, marks: str, *must_pass: str) -> dict[str, dict]:
         """The tests of selection `marks`: none may have failed, and every name in `must_pass` (the end of a test's
-        id: `test_file.py::test_name`, a parameter list left off) must be among those that passed."""
+        id: `test_file.py::test_name`; with a parameter list, that case alone, without one, any case) must be among
+        those that passed."""
         selected = {test: o for test, o in self.tests.items() if matches(marks, o["markers"])}
         failed = [f"{test}\n{o['report']}" for test, o in selected.items() if o["outcome"] == "failed"]
         assert not failed, "\n\n".join(failed)[-12000:]
-        passed = {test.split("[")[0] for test, o in selected.items() if o["outcome"] == "passed"}
-        missing = [name for name in must_pass if not any(test.endswith(name) for test in passed)]
+        passed = [test for test, o in selected.items() if o["outcome"] == "passed"]
+
+        def found(name: str) -> bool:  # with its parameters where the name gives them, else any of them
+            return any((test if "[" in name else test.split("[")[0]).endswith(name) for test in passed)
+
+        missing = [name for name in must_pass if not found(name)]
         assert not missing, f"did not pass (skipped, deselected or gone?): {missing}\n{self.output[-3000:]}"
         return selected
 
