@@ -267,6 +267,8 @@ def clip_gradients(model: nn.Module, max_norm: float) -> torch.Tensor:
     by_mesh = [[g for g in grads if g.device_mesh == mesh] for mesh in ordered]
     norms = [torch.nn.utils.get_total_norm(group, foreach=True).full_tensor() for group in by_mesh]
     total = torch.linalg.vector_norm(torch.stack(norms))
+    if math.isinf(max_norm):  # measured only, as above
+        return total
     # clip_grad_norm_'s rule (and its fp32 arithmetic), applied to each mesh's gradients.
     coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # on the device: no host read
     torch._foreach_mul_([g.to_local() if isinstance(g, DTensor) else g for g in grads], coefficient)

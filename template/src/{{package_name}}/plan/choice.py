@@ -43,6 +43,12 @@ def sharding_candidates(
     return order if tensor_parallel == context_parallel == expert_parallel == 1 else order[1:]
 
 
+OFFLOAD_TIERS = ((False, False), (False, None), (None, None))
+"""The (cpu_offload, activation_offload) settings the searches below try in turn, as cheapest() takes them (None:
+its choice): neither offload, then activation offload, then CPU offload too. A larger micro-batch or a smaller
+context-parallel degree is no reason for an offload."""
+
+
 class PlanChoice(NamedTuple):
     """What the planner picks for a config (cheapest, recommend)."""
 
@@ -180,7 +186,7 @@ def largest_fitting_micro_batch(
     batch is micro x the data-parallel ranks. Plans without activation offload first: a larger micro-batch is no
     reason to park block inputs or to move the model state to the CPU (and no parking at all unless `parking`)."""
     dp = planned_degrees(parallel=parallel, hardware=hardware).dp
-    tiers = ((False, False), (False, None), (None, None)) if parking else ((False, False), (None, False))
+    tiers = OFFLOAD_TIERS if parking else ((False, False), (None, False))
     for offload, park in tiers:
         for micro in (start // 2**i for i in range(12) if start // 2**i >= 1):
             batch = replace(train, micro_batch_size=micro, global_batch_size=micro * dp)
@@ -210,8 +216,7 @@ def estimate_tensor_parallel(
                                       parking=parking)  # fmt: skip
     if fit is None:
         return None
-    micro, choice = fit
-    ac, sharding, offload, parked = choice
+    micro, (ac, sharding, offload, parked) = fit
     tokens = micro * train.seq_len // degrees.cp  # per tensor-parallel group and step
     compute = 6 * s.P * tokens / degree / (MFU * peak_flops(hardware=hw)) * (4 / 3 if ac == "full" else 1)
     sent = communication_bytes(s, sharding, precision, hw.gpus_per_node, hw.num_nodes, False, parallel.float8,
@@ -300,7 +305,7 @@ def recommend_context_parallel(
     stay on the link inside a node, where parked inputs would cross the host link, and CPU offload moves the model
     state over it and steps AdamW on the CPU."""
     degrees = context_parallel_degrees(model=model, train=train, parallel=parallel, hardware=hardware)
-    for offload, parking in ((False, False), (False, None), (None, None)):
+    for offload, parking in OFFLOAD_TIERS:
         for degree in degrees:
             trial = replace(parallel, context_parallel=degree)
             dp = planned_degrees(parallel=trial, hardware=hardware).dp
@@ -372,8 +377,7 @@ def estimate_expert_parallel(
                                       checkpoint=checkpoint, start=base_micro_batch)  # fmt: skip
     if fit is None:
         return None
-    micro, choice = fit
-    ac, sharding, offload, parked = choice
+    micro, (ac, sharding, offload, parked) = fit
     tokens = micro * train.seq_len  # per rank and step
     compute = 6 * s.active_params * tokens / (MFU * peak_flops(hardware=hw)) * (4 / 3 if ac == "full" else 1)
     sent = communication_bytes(s, sharding, precision, hw.gpus_per_node, hw.num_nodes, False, parallel.float8,
